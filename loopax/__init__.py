@@ -1,0 +1,53 @@
+"""loopax: a hook-driven training loop for JAX/Flax, modeled on GoMLX's `train`.
+
+A `Trainer` compiles and caches one data-parallel step per dataset spec and input
+shape; a `Loop` runs steps or epochs and fires prioritized hooks. The subpackages
+`hooks`, `losses`, `metrics` and `optimizers` hold the ready-made parts.
+"""
+
+import importlib
+
+from .trainer import ArrayDataset as ArrayDataset
+from .trainer import Context as Context
+from .trainer import Dataset as Dataset
+from .trainer import ExecInfo as ExecInfo
+from .trainer import Executor as Executor
+from .trainer import HookError as HookError
+from .trainer import IterableDataset as IterableDataset
+from .trainer import Loop as Loop
+from .trainer import NonFiniteLossError as NonFiniteLossError
+from .trainer import Priority as Priority
+from .trainer import TrainState as TrainState
+from .trainer import Trainer as Trainer
+
+__version__ = "0.1.0"
+
+_SUBPACKAGES = ("hooks", "losses", "metrics", "optimizers")
+
+
+def __getattr__(name: str):
+    # Subpackages load on first use, so `import loopax` stays light (no Orbax or
+    # TensorBoard import until a hook needs them).
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'loopax' has no attribute {name!r}")
+
+
+__all__ = sorted([
+    "ArrayDataset",
+    "Context",
+    "Dataset",
+    "ExecInfo",
+    "Executor",
+    "HookError",
+    "IterableDataset",
+    "Loop",
+    "NonFiniteLossError",
+    "Priority",
+    "TrainState",
+    "Trainer",
+    "hooks",
+    "losses",
+    "metrics",
+    "optimizers",
+])

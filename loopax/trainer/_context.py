@@ -1,0 +1,76 @@
+"""The `Context` a model function receives, and the Flax module that hosts it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+ModelFn = Callable[["Context", Any, list[jax.Array]], Any]
+
+
+class Context:
+    """What a model function can ask of the step that runs it.
+
+    A model function `model_fn(ctx, spec, inputs)` runs inside a Flax Linen scope, so
+    `flax.linen` modules may be created in it (`nn.Dense(10)(x)`); their variables are
+    created on the first step, as in GoMLX.
+
+    Attributes:
+      training: True in a train step, False in an eval step.
+      axis_name: the device axis name, for collectives such as `jax.lax.pmean(x,
+        ctx.axis_name)` (cross-device batch statistics).
+      spec: the batch's spec.
+    """
+
+    def __init__(self, module: nn.Module, training: bool, axis_name: str, spec: Any):
+        self._module = module
+        self.training = training
+        self.axis_name = axis_name
+        self.spec = spec
+        self._losses: list[jax.Array] = []
+
+    def make_rng(self, name: str = "dropout") -> jax.Array:
+        """Returns a fresh PRNG key of stream `name`: different per step and per device.
+
+        `"dropout"` is the stream `nn.Dropout` uses; any other name works too, all
+        deterministic from the trainer's seed.
+        """
+        return self._module.make_rng(name)
+
+    def add_loss(self, value: jax.Array) -> None:
+        """Adds a regularization term to the loss (non-scalars are mean-reduced).
+
+        Raises:
+          TypeError: `value` is not a number or an array.
+        """
+        if not hasattr(value, "dtype") and not isinstance(value, (int, float)):
+            raise TypeError(
+                f"ctx.add_loss expects an array or a number, got {type(value).__name__}"
+            )
+        self._losses.append(jnp.mean(jnp.asarray(value, jnp.float32)))
+
+    def total_added_loss(self) -> jax.Array | None:
+        """The sum of the `add_loss` terms of this call, or None when there are none."""
+        if not self._losses:
+            return None
+        return sum(self._losses[1:], self._losses[0])
+
+
+class ModelModule(nn.Module):
+    """Runs `model_fn` inside a compact Flax scope; returns (predictions, added loss)."""
+
+    model_fn: ModelFn
+    axis_name: str
+
+    @nn.compact
+    def __call__(self, spec: Any, inputs: list[jax.Array], training: bool):
+        ctx = Context(self, training=training, axis_name=self.axis_name, spec=spec)
+        predictions = self.model_fn(ctx, spec, list(inputs))
+        if isinstance(predictions, (list, tuple)):
+            predictions = list(predictions)
+        else:
+            predictions = [predictions]
+        return predictions, ctx.total_added_loss()

@@ -1,0 +1,253 @@
+"""The `Dataset` protocol and two ready datasets: in-memory arrays and iterables."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+Batch = tuple[Any, list[Any], list[Any]]
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """What the `Loop` and `Trainer.evaluate` read batches from.
+
+    `yield_batch()` returns `(spec, inputs, labels)` and raises `StopIteration` at the
+    end of the data; `reset()` starts over. A dataset may also implement
+    `get_state() -> dict` and `set_state(dict)` so checkpoints save its position.
+    """
+
+    name: str
+
+    def yield_batch(self) -> Batch: ...
+
+    def reset(self) -> None: ...
+
+
+def _as_array_list(arrays: Any, what: str) -> list[np.ndarray]:
+    if isinstance(arrays, (list, tuple)):
+        items = list(arrays)
+    else:
+        items = [arrays]
+    result = []
+    for position, item in enumerate(items):
+        if not hasattr(item, "shape") or not hasattr(item, "dtype"):
+            raise TypeError(
+                f"ArrayDataset {what}[{position}] is a {type(item).__name__}, not an array; "
+                "pass numpy or jax arrays (np.asarray(...) converts lists)"
+            )
+        if np.ndim(item) == 0:
+            raise ValueError(
+                f"ArrayDataset {what}[{position}] is a scalar; every array needs a first "
+                "(example) dimension"
+            )
+        result.append(item)
+    return result
+
+
+class ArrayDataset:
+    """Batches of in-memory numpy or jax arrays, reshuffled each epoch from a seed.
+
+    Args:
+      inputs: an array or a sequence of arrays, all with the same first dimension.
+      labels: an array, a sequence of arrays (same first dimension), or `()` for none.
+      batch_size: examples per batch.
+      name: the dataset's name in messages, logs and plots.
+      shuffle: reshuffle every epoch; epoch `e` uses the permutation drawn from
+        `(seed, e)`, so a run is reproducible and a restored position continues exactly.
+      seed: the shuffling seed.
+      drop_remainder: drop the last incomplete batch of each epoch (default), which keeps
+        one input shape and so one compiled step.
+      loop_forever: start the next epoch instead of raising `StopIteration`.
+      spec: the spec yielded with every batch (selects the compiled step).
+
+    Raises:
+      TypeError: an input or label is not an array.
+      ValueError: first dimensions differ, no inputs, batch_size < 1, or not a single
+        batch with `drop_remainder=True`.
+
+    Example:
+      >>> import numpy as np
+      >>> ds = ArrayDataset(np.arange(10.0), np.arange(10), batch_size=4, shuffle=False)
+      >>> spec, inputs, labels = ds.yield_batch()
+      >>> inputs[0].tolist(), labels[0].tolist()
+      ([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3])
+    """
+
+    def __init__(
+        self,
+        inputs: Any,
+        labels: Any,
+        batch_size: int,
+        *,
+        name: str = "array",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = True,
+        loop_forever: bool = False,
+        spec: Any = None,
+    ):
+        self.inputs = _as_array_list(inputs, "inputs")
+        self.labels = _as_array_list(labels, "labels") if not _is_empty(labels) else []
+        if not self.inputs:
+            raise ValueError("ArrayDataset needs at least one input array")
+        sizes = {int(np.shape(a)[0]) for a in self.inputs + self.labels}
+        if len(sizes) != 1:
+            shapes = [tuple(np.shape(a)) for a in self.inputs + self.labels]
+            raise ValueError(
+                f"ArrayDataset arrays have different first dimensions {sorted(sizes)} "
+                f"(shapes {shapes}); every input and label needs one row per example"
+            )
+        self.num_examples = sizes.pop()
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"ArrayDataset batch_size must be a positive int, got {batch_size!r}")
+        if drop_remainder and batch_size > self.num_examples:
+            raise ValueError(
+                f"ArrayDataset batch_size {batch_size} is larger than its {self.num_examples} "
+                "examples with drop_remainder=True, so it would yield no batch; use a smaller "
+                "batch_size or drop_remainder=False"
+            )
+        self.name = name
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self.loop_forever = loop_forever
+        self.spec = spec
+        self._epoch = 0
+        self._position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
+
+    def _batches_per_epoch_end(self) -> int:
+        if self.drop_remainder:
+            return self.num_examples - self.num_examples % self.batch_size
+        return self.num_examples
+
+    def _next_epoch(self) -> None:
+        self._epoch += 1
+        self._position = 0
+        self._order = self._permutation(self._epoch)
+
+    def yield_batch(self) -> Batch:
+        """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at epoch end."""
+        if self._position >= self._batches_per_epoch_end():
+            if not self.loop_forever:
+                raise StopIteration
+            self._next_epoch()
+        start = self._position
+        stop = min(start + self.batch_size, self.num_examples)
+        self._position = stop
+        if self._order is None:
+            index = slice(start, stop)
+        else:
+            index = self._order[start:stop]
+        return (
+            self.spec,
+            [array[index] for array in self.inputs],
+            [array[index] for array in self.labels],
+        )
+
+    def reset(self) -> None:
+        """Starts the next epoch (with its own shuffle) from the beginning."""
+        if self._position > 0:
+            self._next_epoch()
+
+    def get_state(self) -> dict:
+        """Returns the position (epoch and offset) as a JSON-serializable dict."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed}
+
+    def set_state(self, state: dict) -> None:
+        """Restores a position returned by `get_state`.
+
+        Raises:
+          ValueError: the state was saved with another seed or is out of range.
+        """
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"ArrayDataset {self.name!r} state was saved with seed {state['seed']} but "
+                f"this dataset has seed {self.seed}; restoring it would replay other batches"
+            )
+        position = int(state["position"])
+        if not 0 <= position <= self.num_examples:
+            raise ValueError(
+                f"ArrayDataset {self.name!r} position {position} is outside its "
+                f"{self.num_examples} examples"
+            )
+        self._epoch = int(state["epoch"])
+        self._position = position
+        self._order = self._permutation(self._epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"ArrayDataset(name={self.name!r}, examples={self.num_examples}, "
+            f"batch_size={self.batch_size})"
+        )
+
+
+def _is_empty(labels: Any) -> bool:
+    return labels is None or (isinstance(labels, (list, tuple)) and len(labels) == 0)
+
+
+class IterableDataset:
+    """Wraps a zero-argument callable that returns an iterator of batches.
+
+    Each item is `(inputs, labels)` or `(spec, inputs, labels)`; inputs and labels may be
+    single arrays or sequences of arrays. `reset()` calls `make_iterator` again.
+
+    Args:
+      make_iterator: a zero-argument callable returning a fresh iterator.
+      name: the dataset's name in messages, logs and plots.
+
+    Raises:
+      TypeError: `make_iterator` is not callable.
+
+    Example:
+      >>> import numpy as np
+      >>> ds = IterableDataset(lambda: iter([(np.ones(2), np.zeros(2))]), name="one")
+      >>> spec, inputs, labels = ds.yield_batch()
+      >>> spec, len(inputs), len(labels)
+      (None, 1, 1)
+    """
+
+    def __init__(self, make_iterator: Callable[[], Iterator[Any]], *, name: str):
+        if not callable(make_iterator):
+            raise TypeError(
+                f"IterableDataset needs a zero-argument callable returning an iterator, got "
+                f"{type(make_iterator).__name__}; wrap a generator as `lambda: gen()`"
+            )
+        self.name = name
+        self._make_iterator = make_iterator
+        self._iterator = iter(make_iterator())
+
+    def yield_batch(self) -> Batch:
+        """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at the end."""
+        item = next(self._iterator)
+        if not isinstance(item, tuple) or len(item) not in (2, 3):
+            raise ValueError(
+                f"IterableDataset {self.name!r} yielded a {type(item).__name__}; each item must "
+                "be a tuple (inputs, labels) or (spec, inputs, labels)"
+            )
+        spec, inputs, labels = (None, *item) if len(item) == 2 else item
+        return spec, _as_list(inputs), _as_list(labels)
+
+    def reset(self) -> None:
+        """Starts over with a fresh iterator from `make_iterator()`."""
+        self._iterator = iter(self._make_iterator())
+
+    def __repr__(self) -> str:
+        return f"IterableDataset(name={self.name!r})"
+
+
+def _as_list(arrays: Any) -> list[Any]:
+    if arrays is None:
+        return []
+    if isinstance(arrays, (list, tuple)):
+        return list(arrays)
+    return [arrays]
+

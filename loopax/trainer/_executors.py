@@ -1,0 +1,80 @@
+"""The executor cache: one compiled step per (graph type, spec, shapes and dtypes)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Callable, Hashable
+
+logger = logging.getLogger("loopax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecInfo:
+    """Describes one compiled executable, as reported to `Trainer.on_exec_creation`.
+
+    Attributes:
+      graph_type: `"train"` or `"eval"`.
+      spec: the dataset spec the executable was compiled for.
+      input_shapes, input_dtypes, label_shapes, label_dtypes: the global batch's
+        shapes and dtype names.
+      compile_seconds: wall time of tracing, lowering and compiling.
+    """
+
+    graph_type: str
+    spec: Any
+    input_shapes: tuple
+    input_dtypes: tuple
+    label_shapes: tuple
+    label_dtypes: tuple
+    compile_seconds: float
+
+
+@dataclasses.dataclass
+class Executor:
+    """A compiled step with its description and how often the cache returned it."""
+
+    info: ExecInfo
+    run: Callable[..., Any] = dataclasses.field(repr=False)
+    hits: int = 0
+
+
+class ExecutorCache:
+    """A least-recently-used cache of compiled steps, at most `max_size` of them.
+
+    Evicting warns, naming the evicted spec and shapes, because an input pipeline whose
+    shapes keep changing pays a compilation per new shape.
+    """
+
+    def __init__(self, max_size: int):
+        if not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
+        self.max_size = max_size
+        self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
+
+    def get(self, key: Hashable) -> Executor | None:
+        executor = self._entries.get(key)
+        if executor is not None:
+            self._entries.move_to_end(key)
+            executor.hits += 1
+        return executor
+
+    def put(self, key: Hashable, executor: Executor) -> None:
+        self._entries[key] = executor
+        while len(self._entries) > self.max_size:
+            _, evicted = self._entries.popitem(last=False)
+            info = evicted.info
+            logger.warning(
+                "loopax: evicting the compiled %s step for spec %r with input shapes %s and "
+                "label shapes %s: more than max_executors=%d distinct specs/shapes are in use. "
+                "Pad or bucket batches to a few shapes, or raise max_executors.",
+                info.graph_type, info.spec, info.input_shapes, info.label_shapes,
+                self.max_size,
+            )
+
+    def values(self) -> list[Executor]:
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()

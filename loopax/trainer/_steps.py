@@ -1,0 +1,268 @@
+"""The per-device train and eval step bodies, and how they are made data-parallel."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._context import ModelModule
+from ._state import TrainState
+
+AXIS = "devices"
+_INIT_STREAM = 2**31 - 1  # folded into the seed for initialization; steps use 0, 1, ...
+
+LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
+
+
+class LossMovingAverage:
+    """The built-in `moving_average_loss`: weight `max(0.01, 1/count)` per step."""
+
+    new_example_weight = 0.01
+
+    def init(self):
+        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+
+    def accumulate(self, state, loss):
+        mean, count = state
+        count = count + 1.0
+        weight = jnp.maximum(self.new_example_weight, 1.0 / count)
+        return (mean * (1.0 - weight) + loss * weight, count)
+
+    def compute(self, state):
+        return state[0]
+
+
+class MeanLoss:
+    """The built-in eval `mean_loss`: the example-weighted mean of the batch losses."""
+
+    def init(self):
+        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+
+    def merge(self, a, b):
+        return (a[0] + b[0], a[1] + b[1])
+
+    accumulate = merge
+
+    def compute(self, state):
+        return state[0] / jnp.maximum(state[1], 1.0)
+
+
+def batch_weight(predictions: Sequence[jax.Array]) -> jax.Array:
+    """The number of examples a batch counts for: the first dim of predictions[0]."""
+    first = predictions[0]
+    return jnp.asarray(first.shape[0] if jnp.ndim(first) > 0 else 1, jnp.float32)
+
+
+def _reduce_across_devices(tree: Any, num_devices: int) -> Any:
+    """Averages float leaves across devices and takes the max of the others."""
+    if num_devices == 1:
+        return tree
+
+    def reduce(leaf):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return jax.lax.pmean(leaf, AXIS)
+        return jax.lax.pmax(leaf, AXIS)
+
+    return jax.tree.map(reduce, tree)
+
+
+def merge_across_devices(merge: Callable[[Any, Any], Any], partial: Any, num_devices: int):
+    """Combines per-device partial metric states with `merge`, in device order."""
+    if num_devices == 1:
+        return partial
+    gathered = jax.lax.all_gather(partial, AXIS)
+    result = jax.tree.map(lambda leaf: leaf[0], gathered)
+    for index in range(1, num_devices):
+        result = merge(result, jax.tree.map(lambda leaf, i=index: leaf[i], gathered))
+    # The fold is identical on every device; pmax marks it replicated for shard_map.
+    return jax.tree.map(lambda leaf: jax.lax.pmax(leaf, AXIS), result)
+
+
+class StepBuilder:
+    """Builds the per-device step bodies for one trainer's model, loss and metrics."""
+
+    def __init__(
+        self,
+        module: ModelModule,
+        loss_fn: LossFn | None,
+        optimizer: optax.GradientTransformation,
+        train_metrics: Sequence[Any],
+        eval_metrics: Sequence[Any],
+        per_step_updates: list[Callable[[Any], Any]],
+        num_devices: int,
+        parallel: str,
+    ):
+        self.module = module
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.train_metrics = tuple(train_metrics)
+        self.eval_metrics = tuple(eval_metrics)
+        self.per_step_updates = per_step_updates
+        self.num_devices = num_devices
+        self.parallel = parallel
+        self.loss_average = LossMovingAverage()
+        self.mean_loss = MeanLoss()
+
+    # -- pieces shared by train and eval ------------------------------------------------
+
+    def _rngs(self, base_rng: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
+        key = jax.random.fold_in(base_rng, step)
+        key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+        params_key, dropout_key = jax.random.split(key)
+        return {"params": params_key, "dropout": dropout_key}
+
+    def _loss(self, labels, predictions, added_loss) -> jax.Array:
+        if self.loss_fn is None and added_loss is None:
+            raise ValueError(
+                "no loss to minimize: pass a loss_fn to the Trainer, or call ctx.add_loss(...) "
+                "in the model function"
+            )
+        total = jnp.zeros((), jnp.float32)
+        if self.loss_fn is not None:
+            total = total + jnp.mean(self.loss_fn(labels, predictions)).astype(jnp.float32)
+        if added_loss is not None:
+            total = total + added_loss
+        return total
+
+    def _apply(self, state: TrainState, params, spec, inputs, training: bool):
+        variables = {"params": params, **state.model_state}
+        mutable = list(state.model_state.keys())
+        (predictions, added_loss), new_model_state = self.module.apply(
+            variables,
+            spec,
+            inputs,
+            training,
+            rngs=self._rngs(state.rng, state.step),
+            mutable=mutable,
+        )
+        return predictions, added_loss, new_model_state
+
+    def _update_metrics(self, metrics, states, labels, predictions):
+        new_states = []
+        for metric, metric_state in zip(metrics, states):
+            partial = metric.update(labels, predictions)
+            partial = merge_across_devices(metric.merge, partial, self.num_devices)
+            new_states.append(metric.accumulate(metric_state, partial))
+        return tuple(new_states)
+
+    # -- the step bodies ------------------------------------------------------------------
+
+    def init_variables(self, spec, rng, inputs) -> dict:
+        """Per-device: creates the model's variables from one device's shard."""
+        key = jax.random.fold_in(rng, _INIT_STREAM)
+        params_key, dropout_key = jax.random.split(key)
+        variables = self.module.init(
+            {"params": params_key, "dropout": dropout_key}, spec, inputs, True
+        )
+        return dict(variables)
+
+    def train(self, spec, state: TrainState, inputs, labels):
+        """Per-device: one optimizer step on this device's shard of the global batch."""
+
+        def loss_of(params):
+            predictions, added_loss, new_model_state = self._apply(
+                state, params, spec, inputs, training=True
+            )
+            local_loss = self._loss(labels, predictions, added_loss)
+            if self.parallel == "shard_map":
+                # Under shard_map, the gradient of replicated params w.r.t. a per-device
+                # loss is summed over devices; averaging the loss first makes it the mean.
+                objective = jax.lax.pmean(local_loss, AXIS)
+            else:
+                objective = local_loss
+            return objective, (local_loss, predictions, new_model_state)
+
+        (_, (local_loss, predictions, new_model_state)), grads = jax.value_and_grad(
+            loss_of, has_aux=True
+        )(state.params)
+        if self.parallel == "pmap":
+            grads = jax.lax.pmean(grads, AXIS)
+        loss = jax.lax.pmean(local_loss, AXIS)
+        new_model_state = _reduce_across_devices(new_model_state, self.num_devices)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        for update_fn in self.per_step_updates:
+            params = update_fn(params)
+
+        loss_average = self.loss_average.accumulate(state.train_metrics[0], loss)
+        user_states = self._update_metrics(
+            self.train_metrics, state.train_metrics[1:], labels, predictions
+        )
+        values = (
+            loss,
+            self.loss_average.compute(loss_average),
+            *(m.compute(s) for m, s in zip(self.train_metrics, user_states)),
+        )
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=new_model_state,
+            train_metrics=(loss_average, *user_states),
+        )
+        return new_state, values
+
+    def eval(self, spec, state: TrainState, metric_states, inputs, labels):
+        """Per-device: updates the running eval metrics with this device's shard."""
+        predictions, added_loss, _ = self._apply(state, state.params, spec, inputs, False)
+        local_loss = self._loss(labels, predictions, added_loss)
+        weight = batch_weight(predictions)
+        loss_partial = merge_across_devices(
+            self.mean_loss.merge, (local_loss * weight, weight), self.num_devices
+        )
+        loss_state = self.mean_loss.accumulate(metric_states[0], loss_partial)
+        user_states = self._update_metrics(
+            self.eval_metrics, metric_states[1:], labels, predictions
+        )
+        values = (
+            self.mean_loss.compute(loss_state),
+            *(m.compute(s) for m, s in zip(self.eval_metrics, user_states)),
+        )
+        return (loss_state, *user_states), values
+
+
+def make_parallel(
+    body: Callable[..., Any],
+    mesh: Mesh,
+    parallel: str,
+    num_replicated: int,
+    num_sharded: int,
+    donate: tuple[int, ...],
+):
+    """Wraps a per-device step body `(*state, *batch) -> (new_state, values)` as one
+    data-parallel, jit-compiled step.
+
+    The first `num_replicated` arguments are replicated (state); the next `num_sharded`
+    are split on axis 0 across devices (the batch). With `parallel="shard_map"` state is
+    a global replicated array; with `"pmap"` state carries a leading device axis, which
+    the new state keeps, while the replicated `values` come back without it.
+    """
+    if parallel == "pmap":
+        return jax.pmap(
+            body,
+            axis_name=AXIS,
+            devices=list(mesh.devices.flat),
+            out_axes=(0, None),
+            donate_argnums=donate,
+        )
+    in_specs = (P(),) * num_replicated + (P(AXIS),) * num_sharded
+    stepped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()))
+    shardings = tuple(NamedSharding(mesh, spec) for spec in in_specs)
+    return jax.jit(stepped, in_shardings=shardings, donate_argnums=donate)
+
+
+def make_initializer(body: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
+    # check_vma is off: variables come from the replicated key, but a data-dependent
+    # initializer would mark them per-device; device 0's copy is the one kept.
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False
+        )
+    )

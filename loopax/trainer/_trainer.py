@@ -1,0 +1,468 @@
+"""The `Trainer`: compiles and caches one data-parallel step per spec and input shape."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _steps
+from ._context import ModelFn, ModelModule
+from ._datasets import Dataset
+from ._executors import ExecInfo, Executor, ExecutorCache
+from ._inflight import InFlight
+from ._state import TrainState
+
+_METRIC_METHODS = ("init", "update", "merge", "compute")
+_RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
+_RESERVED_EVAL_NAMES = ("mean_loss",)
+
+
+def _spec_key(spec: Any) -> Hashable:
+    try:
+        hash(spec)
+    except TypeError:
+        return ("loopax:repr", repr(spec))
+    return spec
+
+
+def _as_list(arrays: Any) -> list[Any]:
+    if arrays is None:
+        return []
+    if isinstance(arrays, (list, tuple)):
+        return list(arrays)
+    return [arrays]
+
+
+def _signature(arrays: list[Any], what: str, spec: Any) -> tuple:
+    try:
+        return tuple((array.shape, array.dtype) for array in arrays)
+    except AttributeError:
+        for position, array in enumerate(arrays):
+            if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+                raise TypeError(
+                    f"{what}[{position}] for spec {spec!r} is a {type(array).__name__}, not an "
+                    "array; datasets must yield numpy or jax arrays (np.asarray converts lists)"
+                ) from None
+        raise
+
+
+def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
+    metrics = tuple(metrics)
+    names = list(reserved)
+    for metric in metrics:
+        missing = [m for m in _METRIC_METHODS if not callable(getattr(metric, m, None))]
+        if missing or not isinstance(getattr(metric, "name", None), str):
+            raise TypeError(
+                f"{kind} metric {metric!r} does not follow the loopax.metrics.Metric protocol "
+                f"(missing {missing or ['name']}); subclass loopax.metrics.Metric"
+            )
+        if metric.name in names:
+            raise ValueError(
+                f"duplicate {kind} metric name {metric.name!r} (names in use: {names}); "
+                "give each metric a unique name"
+            )
+        names.append(metric.name)
+    return metrics
+
+
+class Trainer:
+    """Trains a model function with an optax optimizer, one compiled step per batch kind.
+
+    Args:
+      model_fn: `model_fn(ctx, spec, inputs) -> predictions` (an array or a list),
+        running inside a Flax Linen scope so `nn.Dense(10)(x)` works in it.
+      loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
+        or None when the model adds its losses with `ctx.add_loss`.
+      optimizer: an `optax.GradientTransformation`.
+      train_metrics: `loopax.metrics.Metric` objects updated in every train step.
+      eval_metrics: `loopax.metrics.Metric` objects updated in every eval step.
+      seed: seeds parameter initialization and the per-step RNG.
+      devices: the devices to split each batch over; default all of `jax.devices()`.
+      parallel: `"shard_map"` (default: `jax.jit` of `jax.shard_map` over a 1-D mesh) or
+        `"pmap"` (literal `jax.pmap` over local devices).
+      max_executors: how many compiled steps to keep; the least recently used is evicted
+        past it, with a warning.
+
+    Raises:
+      TypeError: model_fn/loss_fn not callable, optimizer not an optax transformation, or
+        a metric not following the Metric protocol.
+      ValueError: duplicate metric names, unknown `parallel`, empty `devices`.
+
+    Example:
+      >>> import numpy as np, optax, flax.linen as nn
+      >>> def model_fn(ctx, spec, inputs):
+      ...     return nn.Dense(1)(inputs[0])
+      >>> def loss_fn(labels, predictions):
+      ...     return (labels[0] - predictions[0]) ** 2
+      >>> trainer = Trainer(model_fn, loss_fn, optax.sgd(0.1), devices=jax.devices()[:1])
+      >>> x = np.ones((4, 3), np.float32)
+      >>> metrics = trainer.train_step(None, [x], [x[:, :1]])
+      >>> list(metrics), trainer.global_step
+      (['loss', 'moving_average_loss'], 1)
+    """
+
+    def __init__(
+        self,
+        model_fn: ModelFn,
+        loss_fn: Callable[[list[jax.Array], list[jax.Array]], jax.Array] | None,
+        optimizer: optax.GradientTransformation,
+        *,
+        train_metrics: Sequence[Any] = (),
+        eval_metrics: Sequence[Any] = (),
+        seed: int = 0,
+        devices: Sequence[jax.Device] | None = None,
+        parallel: str = "shard_map",
+        max_executors: int = 20,
+    ):
+        if not callable(model_fn):
+            raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
+                "loopax.losses.from_name('mse') builds one from a name"
+            )
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
+                "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
+            )
+        if parallel not in ("shard_map", "pmap"):
+            raise ValueError(f"parallel must be 'shard_map' or 'pmap', got {parallel!r}")
+        devices = list(jax.devices() if devices is None else devices)
+        if not devices:
+            raise ValueError("devices is empty; pass None for all devices or a non-empty list")
+        if parallel == "pmap" and any(d.process_index != jax.process_index() for d in devices):
+            raise ValueError("parallel='pmap' runs on this process's devices only; use 'shard_map'")
+        self.model_fn = model_fn
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.train_metrics = _check_metrics(train_metrics, "train", _RESERVED_TRAIN_NAMES)
+        self.eval_metrics = _check_metrics(eval_metrics, "eval", _RESERVED_EVAL_NAMES)
+        self.seed = seed
+        self.parallel = parallel
+        self.devices = devices
+        self.mesh = Mesh(np.array(devices), (_steps.AXIS,))
+        self.num_devices = len(devices)
+        self._local_devices = sum(1 for d in devices if d.process_index == jax.process_index())
+        self._multi_process = jax.process_count() > 1
+        self._replicated = NamedSharding(self.mesh, P())
+        self._batch_sharding = NamedSharding(self.mesh, P(_steps.AXIS))
+        self._module = ModelModule(model_fn=model_fn, axis_name=_steps.AXIS)
+        self._per_step_updates: list[Callable[[Any], Any]] = []
+        self._steps = _steps.StepBuilder(
+            self._module, loss_fn, optimizer, self.train_metrics, self.eval_metrics,
+            self._per_step_updates, self.num_devices, parallel,
+        )
+        self.train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
+        self.eval_metric_names = (*_RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
+        self._cache = ExecutorCache(max_executors)
+        self._input_counts: dict[Hashable, tuple[int, int]] = {}
+        self._exec_handlers: list[Callable[[ExecInfo], None]] = []
+        self._state_initializers: list[Callable[[TrainState], TrainState]] = []
+        self._state: TrainState | None = None
+        self._eval_states: tuple | None = None
+        self._global_step = 0
+
+    # -- public attributes ----------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (a Python int; reading it never syncs with the device)."""
+        return self._global_step
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the variables exist (they are created from the first batch)."""
+        return self._state is not None
+
+    @property
+    def state(self) -> TrainState | None:
+        """The whole train state without a device axis, or None before the first step."""
+        if self._state is None or self.parallel == "shard_map":
+            return self._state
+        return jax.tree.map(lambda leaf: leaf[0], self._state)
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Trainer.state must be a TrainState, got {type(state).__name__}")
+        if self._state is not None:
+            expected = jax.tree.structure(self.state)
+            if jax.tree.structure(state) != expected:
+                raise ValueError(
+                    "the new train state's structure differs from the trainer's: "
+                    f"{jax.tree.structure(state)} vs {expected}"
+                )
+        self._state = self._place_state(state)
+        self._global_step = int(np.asarray(jax.device_get(state.step)))
+
+    @property
+    def params(self) -> Any:
+        """The trainable parameters, or None before the first step."""
+        state = self.state
+        return None if state is None else state.params
+
+    # -- configuration --------------------------------------------------------------------
+
+    def add_per_step_update(self, fn: Callable[[Any], Any]) -> None:
+        """Adds `fn(params) -> params`, compiled into the train step after the update.
+
+        Use it for constraints and projections. Compiled steps are dropped so the next
+        step compiles with it.
+
+        Raises:
+          TypeError: `fn` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_per_step_update needs a callable, got {type(fn).__name__}")
+        self._per_step_updates.append(fn)
+        self._cache.clear()
+
+    def on_exec_creation(self, handler: Callable[[ExecInfo], None]) -> None:
+        """Calls `handler(info)` with an `ExecInfo` whenever a step is compiled."""
+        if not callable(handler):
+            raise TypeError(f"on_exec_creation needs a callable, got {type(handler).__name__}")
+        self._exec_handlers.append(handler)
+
+    def add_state_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
+        """Calls `fn(state) -> state` when the state is created (now, if it exists).
+
+        Checkpoint restoration uses it: the state's structure is known only after the
+        first batch shows the input shapes.
+        """
+        self._state_initializers.append(fn)
+        if self._state is not None:
+            self.state = fn(self.state)
+
+    def executors(self) -> list[Executor]:
+        """The cached compiled steps (least recently used first), with their hit counts."""
+        return self._cache.values()
+
+    # -- state management -----------------------------------------------------------------
+
+    def _place_state(self, state: Any) -> Any:
+        if self.parallel == "pmap":
+            # pmap takes host arrays with a leading device axis and keeps its outputs there.
+            n = self.num_devices
+            return jax.tree.map(
+                lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state
+            )
+        return jax.device_put(state, self._replicated)
+
+    def reset_train_metrics(self) -> None:
+        """Resets every train metric, the loss's moving average included."""
+        if self._state is None:
+            return
+        fresh = (self._steps.loss_average.init(), *(m.init() for m in self.train_metrics))
+        placed = self._place_state(fresh)
+        self._state = self._state.replace(train_metrics=placed)
+
+    def reset_eval_metrics(self) -> None:
+        """Resets the running eval metrics (evaluate() does this at its start)."""
+        self._eval_states = None
+
+    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
+        per_device = self._steps.init_variables
+        rng = jax.random.PRNGKey(self.seed)
+        initializer = _steps.make_initializer(
+            lambda key, xs: per_device(spec, key, xs), self.mesh
+        )
+        variables = initializer(rng, self._to_global(inputs))
+        params = variables.pop("params", {})
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=variables,
+            rng=rng,
+            train_metrics=(self._steps.loss_average.init(), *(m.init() for m in self.train_metrics)),
+        )
+        for initializer_fn in self._state_initializers:
+            state = initializer_fn(state)
+        self._state = self._place_state(jax.device_get(state))
+        self._global_step = int(np.asarray(jax.device_get(state.step)))
+
+    # -- compilation ----------------------------------------------------------------------
+
+    def _to_global(self, arrays: list[Any]) -> list[Any]:
+        if not self._multi_process:
+            if self.parallel == "pmap":
+                n = self.num_devices
+                return [np.reshape(a, (n, a.shape[0] // n, *a.shape[1:])) if isinstance(a, np.ndarray)
+                        else jnp.reshape(a, (n, a.shape[0] // n, *a.shape[1:])) for a in arrays]
+            return arrays
+        return [
+            jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
+            for a in arrays
+        ]
+
+    def _validate_batch(self, graph: str, spec: Any, key_spec: Hashable, inputs, labels) -> None:
+        if not inputs:
+            raise ValueError(
+                f"at least one input is required: the {graph} batch for spec {spec!r} has none"
+            )
+        counts = (len(inputs), len(labels))
+        known = self._input_counts.setdefault(key_spec, counts)
+        if known != counts:
+            raise ValueError(
+                f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
+                f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
+            )
+        sizes = {int(a.shape[0]) if a.ndim else None for a in [*inputs, *labels]}
+        if None in sizes:
+            raise ValueError(
+                f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
+                "needs a leading batch dimension"
+            )
+        if len(sizes) != 1:
+            raise ValueError(
+                f"the {graph} batch for spec {spec!r} mixes batch sizes {sorted(sizes)} "
+                f"(input shapes {[a.shape for a in inputs]}, label shapes "
+                f"{[a.shape for a in labels]}); inputs and labels need the same first dimension"
+            )
+        batch = sizes.pop()
+        if batch % self._local_devices:
+            raise ValueError(
+                f"batch size {batch} is not divisible by the {self._local_devices} devices; use a "
+                f"batch size that is a multiple of {self._local_devices} or pass devices=..."
+            )
+
+    def _compile(self, graph: str, key: Hashable, spec: Any, inputs, labels) -> Executor:
+        self._validate_batch(graph, spec, key[1], inputs, labels)
+        if self._state is None:
+            self._initialize(spec, inputs)
+        started = time.perf_counter()
+        global_inputs = self._to_global(inputs)
+        global_labels = self._to_global(labels)
+        if graph == "train":
+            body = functools.partial(self._steps.train, spec)
+            step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
+            compiled = step.lower(self._state, global_inputs, global_labels).compile()
+        else:
+            body = functools.partial(self._steps.eval, spec)
+            step = _steps.make_parallel(body, self.mesh, self.parallel, 2, 2, donate=(1,))
+            compiled = step.lower(
+                self._state, self._fresh_eval_states(), global_inputs, global_labels
+            ).compile()
+        info = ExecInfo(
+            graph_type=graph,
+            spec=spec,
+            input_shapes=tuple(tuple(a.shape) for a in inputs),
+            input_dtypes=tuple(str(a.dtype) for a in inputs),
+            label_shapes=tuple(tuple(a.shape) for a in labels),
+            label_dtypes=tuple(str(a.dtype) for a in labels),
+            compile_seconds=time.perf_counter() - started,
+        )
+        executor = Executor(info=info, run=compiled)
+        self._cache.put(key, executor)
+        for handler in self._exec_handlers:
+            handler(info)
+        return executor
+
+    def _executor(self, graph: str, spec: Any, inputs: list, labels: list) -> Executor:
+        key_spec = _spec_key(spec)
+        key = (
+            graph,
+            key_spec,
+            _signature(inputs, "inputs", spec),
+            _signature(labels, "labels", spec),
+        )
+        executor = self._cache.get(key)
+        if executor is None:
+            executor = self._compile(graph, key, spec, inputs, labels)
+        return executor
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
+        """Runs one optimizer step on a global batch; returns the train metrics.
+
+        The values stay on the device: reading one (e.g. `float(m["loss"])`) waits for
+        the step.
+
+        Returns:
+          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`.
+
+        Raises:
+          TypeError: an input or label is not an array.
+          ValueError: no inputs, mismatched batch sizes, a batch not divisible by the
+            device count, or the spec used before with another number of inputs/labels.
+        """
+        inputs = _as_list(inputs)
+        labels = _as_list(labels)
+        executor = self._executor("train", spec, inputs, labels)
+        if self._multi_process or self.parallel == "pmap":
+            inputs, labels = self._to_global(inputs), self._to_global(labels)
+        self._state, values = executor.run(self._state, inputs, labels)
+        self._global_step += 1
+        return dict(zip(self.train_metric_names, values))
+
+    def _fresh_eval_states(self) -> Any:
+        fresh = (self._steps.mean_loss.init(), *(m.init() for m in self.eval_metrics))
+        return self._place_state(fresh)
+
+    def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
+        """Updates the running eval metrics with one batch; parameters do not change.
+
+        Returns:
+          The running values `{"mean_loss": ..., <eval metric name>: ...}` over every
+          batch since the last `reset_eval_metrics()` (or `evaluate`).
+        """
+        inputs = _as_list(inputs)
+        labels = _as_list(labels)
+        executor = self._executor("eval", spec, inputs, labels)
+        if self._eval_states is None:
+            self._eval_states = self._fresh_eval_states()
+        if self._multi_process or self.parallel == "pmap":
+            inputs, labels = self._to_global(inputs), self._to_global(labels)
+        self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
+        return dict(zip(self.eval_metric_names, values))
+
+    def evaluate(self, dataset: Dataset) -> dict[str, float]:
+        """Evaluates on every batch of `dataset`; returns example-weighted means.
+
+        Resets the dataset and the eval metrics first (not after).
+
+        Returns:
+          `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
+
+        Raises:
+          ValueError: the dataset yields no batch.
+          RuntimeError: the dataset raised (the message names it).
+        """
+        dataset.reset()
+        self.reset_eval_metrics()
+        in_flight = InFlight()
+        values = None
+        while True:
+            try:
+                spec, inputs, labels = dataset.yield_batch()
+            except StopIteration:
+                break
+            except Exception as err:
+                raise RuntimeError(
+                    f"dataset {getattr(dataset, 'name', dataset)!r} failed during evaluation: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            values = self.eval_step(spec, inputs, labels)
+            in_flight.push(values["mean_loss"])
+        if values is None:
+            raise ValueError(
+                f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch to evaluate; "
+                "check its size and batch_size (drop_remainder drops a short last batch)"
+            )
+        return {name: float(value) for name, value in jax.device_get(values).items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"Trainer(global_step={self._global_step}, devices={self.num_devices}, "
+            f"parallel={self.parallel!r}, executors={len(self._cache.values())})"
+        )
