@@ -1,0 +1,144 @@
+"""Shared plumbing for losses: input checks, optional mask/weights, and the final mean.
+
+Every loss computes its per-element loss in float32 (or wider) and hands it to `reduce_loss`,
+which applies the optional extra labels (a boolean mask and/or float weights, told apart by
+dtype) and returns the mean cast back to the predictions' dtype. All shape checks run at trace
+time, where shapes are static, so they cost nothing per compiled step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# A loss function: `loss_fn(labels, predictions) -> scalar`.
+LossFn = Callable[[Sequence[Array], Sequence[Array]], Array]
+
+# One bool mask and one float weights array.
+_MAX_EXTRA_LABELS = 2
+
+
+def unpack(
+    loss_name: str, labels: Sequence[Array], predictions: Sequence[Array]
+) -> tuple[Array, Array, list[Array]]:
+    """Returns `(labels[0], predictions[0], labels[1:])` as arrays, after checking the lists.
+
+    Raises:
+        ValueError: if either argument is not a list, either list is empty, or there are
+            more than two extra labels.
+    """
+    # Arrays are not `Sequence`s: this catches `loss(labels, predictions)` slips that would
+    # otherwise silently use the first row as the labels.
+    if not isinstance(labels, Sequence) or not isinstance(predictions, Sequence):
+        raise ValueError(
+            f"{loss_name}: labels and predictions must be lists of arrays, got "
+            f"{type(labels).__name__} and {type(predictions).__name__}; "
+            f"call it as {loss_name}([labels], [predictions])"
+        )
+    if len(labels) == 0 or len(predictions) == 0:
+        raise ValueError(
+            f"{loss_name}: needs at least one label and one prediction, got "
+            f"{len(labels)} labels and {len(predictions)} predictions"
+        )
+    extras = [jnp.asarray(extra) for extra in labels[1:]]
+    if len(extras) > _MAX_EXTRA_LABELS:
+        raise ValueError(
+            f"{loss_name}: got {len(extras)} extra labels after labels[0]; at most "
+            f"{_MAX_EXTRA_LABELS} are accepted (one bool mask and/or one float weights array)"
+        )
+    return jnp.asarray(labels[0]), jnp.asarray(predictions[0]), extras
+
+
+def compute_dtype(predictions: Array) -> jnp.dtype:
+    """The dtype losses accumulate in: float32, or the predictions' dtype if wider."""
+    if jnp.issubdtype(predictions.dtype, jnp.floating):
+        return jnp.promote_types(predictions.dtype, jnp.float32)
+    return jnp.dtype(jnp.float32)
+
+
+def result_dtype(predictions: Array) -> jnp.dtype:
+    """The dtype a loss returns: the predictions' float dtype (float16/bfloat16 preserved)."""
+    if jnp.issubdtype(predictions.dtype, jnp.floating):
+        return predictions.dtype
+    return jnp.dtype(jnp.float32)
+
+
+def check_same_shape(loss_name: str, labels: Array, predictions: Array) -> None:
+    """Raises ValueError unless labels and predictions have the same shape.
+
+    Silently broadcasting `[batch, 1]` against `[batch]` into `[batch, batch]` is a classic
+    bug, so element-wise losses insist on equal shapes.
+    """
+    if labels.shape != predictions.shape:
+        raise ValueError(
+            f"{loss_name}: labels shape {labels.shape} differs from predictions shape "
+            f"{predictions.shape}; reshape one of them so they match"
+        )
+
+
+def reduce_loss(
+    loss_name: str,
+    per_element: Array,
+    extras: Sequence[Array],
+    allowed_shapes: dict[tuple[int, ...], str],
+    out_dtype: jnp.dtype,
+) -> Array:
+    """Applies optional weights and mask to a per-element loss and returns its mean.
+
+    Args:
+        loss_name: name used in error messages.
+        per_element: the per-element loss, already in the accumulation dtype.
+        extras: `labels[1:]`: at most one bool mask and one float weights array, any order.
+        allowed_shapes: the shapes an extra label may have, each mapped to a short
+            description for error messages. Each must be a prefix of `per_element.shape`;
+            a shorter one is broadcast over the trailing axes.
+        out_dtype: dtype of the returned scalar.
+
+    Returns:
+        The scalar mean: over all elements without a mask, over the masked-in elements with
+        one (0 when everything is masked out).
+
+    Raises:
+        ValueError: if an extra label has an unexpected dtype or shape, or if two masks or
+            two weights arrays are given.
+    """
+    mask = None
+    weights = None
+    for position, extra in enumerate(extras, start=1):
+        is_mask = extra.dtype == jnp.bool_
+        is_weights = jnp.issubdtype(extra.dtype, jnp.floating)
+        if not (is_mask or is_weights) or extra.shape not in allowed_shapes:
+            expected = " or ".join(
+                f"{shape} ({description})" for shape, description in allowed_shapes.items()
+            )
+            raise ValueError(
+                f"{loss_name}: extra label labels[{position}] has shape {extra.shape} and "
+                f"dtype {extra.dtype}; expected a bool mask or float weights of shape "
+                f"{expected}"
+            )
+        if (mask if is_mask else weights) is not None:
+            kind = "bool mask" if is_mask else "float weights array"
+            raise ValueError(
+                f"{loss_name}: labels[{position}] is a second {kind}; pass at most one bool "
+                "mask and one float weights array"
+            )
+        # Trailing singleton axes let `[batch]` weights broadcast over `[batch, ...]` losses.
+        expanded = extra.reshape(extra.shape + (1,) * (per_element.ndim - extra.ndim))
+        if is_mask:
+            mask = expanded
+        else:
+            weights = expanded.astype(per_element.dtype)
+
+    if weights is not None:
+        per_element = per_element * weights
+    if mask is None:
+        return jnp.mean(per_element).astype(out_dtype)
+    mask = jnp.broadcast_to(mask, per_element.shape)
+    # `where` rather than a product: masked-out entries may hold inf or NaN (padding).
+    total = jnp.sum(jnp.where(mask, per_element, 0))
+    count = jnp.sum(mask, dtype=per_element.dtype)
+    return (total / jnp.maximum(count, 1)).astype(out_dtype)
