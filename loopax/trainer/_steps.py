@@ -59,10 +59,11 @@ def batch_weight(predictions: Sequence[jax.Array]) -> jax.Array:
     return jnp.asarray(first.shape[0] if jnp.ndim(first) > 0 else 1, jnp.float32)
 
 
-def _reduce_across_devices(tree: Any, num_devices: int) -> Any:
-    """Averages float leaves across devices and takes the max of the others."""
-    if num_devices == 1:
-        return tree
+def _reduce_across_devices(tree: Any) -> Any:
+    """Averages float leaves across devices and takes the max of the others.
+
+    Also on one device: the collective marks the values replicated for shard_map.
+    """
 
     def reduce(leaf):
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -75,7 +76,7 @@ def _reduce_across_devices(tree: Any, num_devices: int) -> Any:
 def merge_across_devices(merge: Callable[[Any, Any], Any], partial: Any, num_devices: int):
     """Combines per-device partial metric states with `merge`, in device order."""
     if num_devices == 1:
-        return partial
+        return jax.tree.map(lambda leaf: jax.lax.pmax(leaf, AXIS), partial)
     gathered = jax.lax.all_gather(partial, AXIS)
     result = jax.tree.map(lambda leaf: leaf[0], gathered)
     for index in range(1, num_devices):
@@ -184,7 +185,7 @@ class StepBuilder:
         if self.parallel == "pmap":
             grads = jax.lax.pmean(grads, AXIS)
         loss = jax.lax.pmean(local_loss, AXIS)
-        new_model_state = _reduce_across_devices(new_model_state, self.num_devices)
+        new_model_state = _reduce_across_devices(new_model_state)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         for update_fn in self.per_step_updates:

@@ -459,7 +459,8 @@ class Trainer:
                 f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch to evaluate; "
                 "check its size and batch_size (drop_remainder drops a short last batch)"
             )
-        return {name: float(value) for name, value in jax.device_get(values).items()}
+        host_values = jax.device_get(values)
+        return {name: float(host_values[name]) for name in self.eval_metric_names}
 
     def __repr__(self) -> str:
         return (
