@@ -9,6 +9,7 @@ host sync every 1000 steps, not every step. They register in `loop._triggers` an
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Callable
 
@@ -28,14 +29,19 @@ def _check_hook_args(name: object, fn: object) -> None:
 class _Trigger:
     """Base of the trigger objects: the OnStep hook callable itself.
 
-    Subclasses implement `_should_fire(loop)`; calling the object as `obj(loop, metrics)` runs
+    Subclasses implement `_should_fire(loop, first_step_of_run)`; calling the object as `obj(loop, metrics)` runs
     `fn` when it fires.
     """
 
     # Tells the loop not to check the loss before every step: we check only when firing.
     checks_finite_lazily = True
 
-    def __init__(self, loop: Any, hook_name: str, fn: StepFn, priority: int):
+    def __init__(self, hook_name: str, fn: StepFn, priority: int):
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise TypeError(
+                f"hook {hook_name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
+                f"got {priority!r}"
+            )
         self.name = hook_name
         self.fn = fn
         self.priority = int(priority)
@@ -98,9 +104,9 @@ class _OnEndHook:
 class EveryNStepsTrigger(_Trigger):
     """Runs `fn` at step k iff `(k + 1) % n == 0`; see `every_n_steps`. Stateless."""
 
-    def __init__(self, loop: Any, n: int, name: str, fn: StepFn, priority: int):
+    def __init__(self, n: int, name: str, fn: StepFn, priority: int):
         self.schedule = EveryNSteps(n)
-        super().__init__(loop, f"every_n_steps({self.schedule.n}): {name}", fn, priority)
+        super().__init__(f"every_n_steps({self.schedule.n}): {name}", fn, priority)
 
     def __call__(self, loop: Any, metrics: Any) -> Any:
         # Stateless, so skip the run bookkeeping: this runs every step.
@@ -117,9 +123,9 @@ class NTimesTrigger(_Trigger):
     a checkpoint that ends at the same `end_step` keeps the original run's firing points.
     """
 
-    def __init__(self, loop: Any, n: int, name: str, fn: StepFn, priority: int):
+    def __init__(self, n: int, name: str, fn: StepFn, priority: int):
         self.schedule = NTimes(n)
-        super().__init__(loop, f"n_times_during_loop({self.schedule.n}): {name}", fn, priority)
+        super().__init__(f"n_times_during_loop({self.schedule.n}): {name}", fn, priority)
         self.run_start_step: int | None = None
         self.run_end_step: int = -1
         self._restored: dict[str, int] | None = None
@@ -152,7 +158,10 @@ class NTimesTrigger(_Trigger):
         if not state:
             self._restored = None
             return
-        self._restored = {"start_step": int(state["start_step"]), "end_step": int(state["end_step"])}
+        self._restored = {
+            "start_step": int(state["start_step"]),
+            "end_step": int(state["end_step"]),
+        }
 
 
 class PeriodicTrigger(_Trigger):
@@ -164,7 +173,6 @@ class PeriodicTrigger(_Trigger):
 
     def __init__(
         self,
-        loop: Any,
         period_seconds: float,
         name: str,
         fn: StepFn,
@@ -176,7 +184,7 @@ class PeriodicTrigger(_Trigger):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self.clock = clock
         super().__init__(
-            loop, f"periodic_callback({self.schedule.period_seconds:g}s): {name}", fn, priority
+            f"periodic_callback({self.schedule.period_seconds:g}s): {name}", fn, priority
         )
 
     def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
@@ -200,11 +208,10 @@ class ExponentialTrigger(_Trigger):
     """
 
     def __init__(
-        self, loop: Any, start_step: int, factor: float, name: str, fn: StepFn, priority: int
+        self, start_step: int, factor: float, name: str, fn: StepFn, priority: int
     ):
         self.schedule = Exponential(start_step, factor)
         super().__init__(
-            loop,
             f"exponential_callback({self.schedule.start_step}, {self.schedule.factor:g}): {name}",
             fn,
             priority,
@@ -239,7 +246,7 @@ def every_n_steps(
       ValueError: if `n` is not a positive int.
     """
     _check_hook_args(name, fn)
-    trigger = EveryNStepsTrigger(loop, n, name, fn, priority)
+    trigger = EveryNStepsTrigger(n, name, fn, priority)
     trigger._register(loop)
     return trigger
 
@@ -270,7 +277,7 @@ def n_times_during_loop(
       ValueError: if `n` is not a positive int.
     """
     _check_hook_args(name, fn)
-    trigger = NTimesTrigger(loop, n, name, fn, priority)
+    trigger = NTimesTrigger(n, name, fn, priority)
     trigger._register(loop)
     return trigger
 
@@ -308,7 +315,7 @@ def periodic_callback(
       ValueError: if `period_seconds` is not a finite number > 0.
     """
     _check_hook_args(name, fn)
-    trigger = PeriodicTrigger(loop, period_seconds, name, fn, priority, clock)
+    trigger = PeriodicTrigger(period_seconds, name, fn, priority, clock)
     trigger._register(loop, call_on_end)
     return trigger
 
@@ -347,7 +354,7 @@ def exponential_callback(
       ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
     """
     _check_hook_args(name, fn)
-    trigger = ExponentialTrigger(loop, start_step, factor, name, fn, priority)
+    trigger = ExponentialTrigger(start_step, factor, name, fn, priority)
     trigger._register(loop, call_on_end)
     return trigger
 

@@ -273,13 +273,13 @@ def test_bad_exponential_start_step_is_rejected(start_step):
 
 @pytest.mark.parametrize("factor", [1, 1.0, 0.5, -2.0, float("nan"), float("inf")])
 def test_bad_exponential_factor_is_rejected(factor):
-    with pytest.raises(ValueError, match=rf"factor must be a finite number > 1 .*got factor={factor}"):
+    message = rf"factor must be a finite number > 1 .*got factor={factor}"
+    with pytest.raises(ValueError, match=message):
         Exponential(100, factor)
 
 
 @pytest.mark.parametrize("period", [0, -1.0, float("nan"), float("inf")])
 def test_bad_period_is_rejected(period):
-    with pytest.raises(
-        ValueError, match=rf"period_seconds must be a finite number > 0, got period_seconds={period}"
-    ):
+    message = rf"period_seconds must be a finite number > 0, got period_seconds={period}"
+    with pytest.raises(ValueError, match=message):
         Periodic(period)
