@@ -1,0 +1,146 @@
+"""Reading and replacing the injected learning rate inside an optimizer state.
+
+Optimizers built with ``optax.inject_hyperparams`` (every loopax optimizer) keep their
+learning rate as an array in ``opt_state.hyperparams["learning_rate"]``. Replacing that
+array with another of the same shape and dtype changes the learning rate of the next
+update without recompiling a step that takes the optimizer state as input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+_LEARNING_RATE = "learning_rate"
+
+
+def _has_hyperparams(node: Any) -> bool:
+    return (
+        isinstance(getattr(node, "hyperparams", None), dict)
+        and hasattr(node, "inner_state")
+        and hasattr(node, "_replace")
+    )
+
+
+def _injected_states(opt_state: Any) -> list[Any]:
+    """Returns every inject_hyperparams state in ``opt_state`` holding a learning rate."""
+    found = []
+    for node in jax.tree_util.tree_leaves(opt_state, is_leaf=_has_hyperparams):
+        if _has_hyperparams(node):
+            if _LEARNING_RATE in node.hyperparams:
+                found.append(node)
+            # A learning rate may also be injected deeper, e.g. in a wrapped optimizer.
+            found.extend(_injected_states(node.inner_state))
+    return found
+
+
+def _is_scheduled(node: Any) -> bool:
+    # inject_hyperparams keeps a state per scheduled hyperparameter (optax >= 0.1.9).
+    return _LEARNING_RATE in getattr(node, "hyperparams_states", {})
+
+
+def get_learning_rate(opt_state: Any) -> jax.Array | None:
+    """Returns the injected learning rate found in ``opt_state``, or None if there is none.
+
+    The learning rate is searched anywhere in the (possibly nested) optimizer state, e.g.
+    inside the tuple of an ``optax.chain``. When a schedule drives it, the value is the
+    one the last update used (``schedule(count - 1)``; ``schedule(0)`` before any update).
+    If several injected learning rates exist, the first in pytree order is returned.
+
+    Args:
+        opt_state: an optimizer state, e.g. from ``loopax.optimizers.adam().init(params)``.
+
+    Returns:
+        The learning rate as a scalar ``jax.Array`` (a tracer inside ``jax.jit``), or None
+        when the optimizer was built without an injectable learning rate.
+
+    Example:
+        >>> import optax
+        >>> from loopax.optimizers import get_learning_rate, sgd
+        >>> float(get_learning_rate(sgd(0.25, clip_global_norm=1.0).init({"w": 0.0})))
+        0.25
+        >>> print(get_learning_rate(optax.sgd(0.25).init({"w": 0.0})))
+        None
+    """
+    states = _injected_states(opt_state)
+    if not states:
+        return None
+    return states[0].hyperparams[_LEARNING_RATE]
+
+
+def set_learning_rate(opt_state: Any, value: Any) -> Any:
+    """Returns a copy of ``opt_state`` with its injected learning rate replaced by ``value``.
+
+    The new learning rate keeps the old one's shape, dtype and placement, so a compiled
+    step taking the optimizer state as input runs it without recompiling. Every injected
+    learning rate in the state is replaced. Works on concrete states and inside
+    ``jax.jit``.
+
+    Args:
+        opt_state: an optimizer state built with a float learning rate.
+        value: the new learning rate, a scalar (Python number or 0-d array).
+
+    Returns:
+        A new optimizer state of the same pytree structure; ``opt_state`` is unchanged.
+
+    Raises:
+        ValueError: if ``value`` is not a scalar, if the optimizer has no injectable
+            learning rate (build it with ``loopax.optimizers`` or
+            ``optax.inject_hyperparams``), or if a schedule drives the learning rate (the
+            schedule overwrites the value at every update).
+
+    Example:
+        >>> from loopax.optimizers import get_learning_rate, set_learning_rate, sgd
+        >>> opt_state = sgd(0.1).init({"w": 0.0})
+        >>> opt_state = set_learning_rate(opt_state, 0.125)
+        >>> float(get_learning_rate(opt_state))
+        0.125
+    """
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"set_learning_rate: the learning rate must be a scalar, got shape "
+            f"{np.shape(value)}."
+        )
+    if not isinstance(value, jax.core.Tracer) and np.any(np.asarray(value) < 0):
+        raise ValueError(f"set_learning_rate: learning rate {value!r} must be non-negative.")
+    if not _injected_states(opt_state):
+        raise ValueError(
+            "set_learning_rate: this optimizer state has no injectable learning rate. "
+            "Build the optimizer with loopax.optimizers (sgd, adam, adamw, rmsprop, "
+            "from_name) or wrap an optax optimizer with optax.inject_hyperparams so that "
+            "opt_state.hyperparams holds 'learning_rate'."
+        )
+
+    def replace(node: Any) -> Any:
+        if not _has_hyperparams(node):
+            return node
+        hyperparams = node.hyperparams
+        if _LEARNING_RATE in hyperparams:
+            if _is_scheduled(node):
+                raise ValueError(
+                    "set_learning_rate: the learning rate of this optimizer is driven by a "
+                    "schedule, which overwrites opt_state.hyperparams['learning_rate'] at "
+                    "every update, so a value set here would be discarded. Build the "
+                    "optimizer with a float learning_rate to change it at run time, or "
+                    "build it with the schedule you want."
+                )
+            old = hyperparams[_LEARNING_RATE]
+            new = jax.lax.full_like(old, value)
+            # Committed-ness is part of jit's cache key: match it, and the placement.
+            if (
+                isinstance(old, jax.Array)
+                and not isinstance(old, jax.core.Tracer)
+                and old.committed
+            ):
+                new = jax.device_put(new, old.sharding)
+            hyperparams = {**hyperparams, _LEARNING_RATE: new}
+        return node._replace(
+            hyperparams=hyperparams,
+            inner_state=jax.tree_util.tree_map(
+                replace, node.inner_state, is_leaf=_has_hyperparams
+            ),
+        )
+
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_has_hyperparams)

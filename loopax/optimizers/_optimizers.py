@@ -1,0 +1,362 @@
+"""Optimizer factories: optax optimizers with an injectable learning rate and clipping.
+
+Every factory returns a plain ``optax.GradientTransformation`` built with
+``optax.inject_hyperparams``, so the learning rate lives in the optimizer state's
+``hyperparams`` dict: readable for logging and replaceable at run time without
+recompiling (see ``get_learning_rate`` / ``set_learning_rate``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import numbers
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+
+LearningRate = float | optax.Schedule
+
+
+def _check_learning_rate(optimizer: str, learning_rate: Any) -> None:
+    if callable(learning_rate):
+        return
+    if isinstance(learning_rate, bool) or not (
+        isinstance(learning_rate, numbers.Real)
+        or (isinstance(learning_rate, (np.ndarray, jax.Array)) and np.ndim(learning_rate) == 0)
+    ):
+        raise ValueError(
+            f"{optimizer}: learning_rate={learning_rate!r} must be a non-negative number "
+            "or a schedule (a function of the step count, e.g. "
+            "loopax.optimizers.cosine_decay(...))."
+        )
+    if learning_rate < 0:
+        raise ValueError(
+            f"{optimizer}: learning_rate={learning_rate!r} must be non-negative."
+        )
+
+
+def _clipping(
+    optimizer: str, clip_value: float | None, clip_global_norm: float | None
+) -> list[optax.GradientTransformation]:
+    transforms = []
+    if clip_value is not None:
+        if not clip_value > 0:
+            raise ValueError(
+                f"{optimizer}: clip_value={clip_value!r} must be positive, or None for no "
+                "clipping by value."
+            )
+        transforms.append(optax.clip(clip_value))
+    if clip_global_norm is not None:
+        if not clip_global_norm > 0:
+            raise ValueError(
+                f"{optimizer}: clip_global_norm={clip_global_norm!r} must be positive, or "
+                "None for no clipping by global norm."
+            )
+        transforms.append(optax.clip_by_global_norm(clip_global_norm))
+    return transforms
+
+
+def _build(
+    optimizer: str,
+    factory: Callable[..., optax.GradientTransformation],
+    clip_value: float | None,
+    clip_global_norm: float | None,
+    static_args: tuple[str, ...] = (),
+    **hyperparams: Any,
+) -> optax.GradientTransformation:
+    _check_learning_rate(optimizer, hyperparams["learning_rate"])
+    clipping = _clipping(optimizer, clip_value, clip_global_norm)
+    inner = optax.inject_hyperparams(factory, static_args=static_args)(**hyperparams)
+    if not clipping:
+        return inner
+    return optax.chain(*clipping, inner)
+
+
+def sgd(
+    learning_rate: LearningRate = 0.1,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    *,
+    clip_value: float | None = None,
+    clip_global_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Returns stochastic gradient descent, optionally with (Nesterov) momentum.
+
+    Args:
+        learning_rate: a non-negative float, or a schedule of the step count.
+        momentum: the momentum decay in ``[0, 1)``, or None for plain SGD.
+        nesterov: use Nesterov momentum (needs ``momentum``).
+        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
+            before the optimizer.
+        clip_global_norm: if given, rescale gradients so that their global norm is at most
+            ``clip_global_norm`` (applied after ``clip_value``).
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state holds the learning rate under
+        ``hyperparams["learning_rate"]``.
+
+    Raises:
+        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
+            ``nesterov`` without momentum, or a non-positive clipping threshold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from loopax.optimizers import sgd
+        >>> optimizer = sgd(0.5)
+        >>> params = jnp.array([1.0, 2.0])
+        >>> updates, _ = optimizer.update(jnp.array([1.0, -1.0]), optimizer.init(params))
+        >>> updates.tolist()
+        [-0.5, 0.5]
+    """
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(
+            f"sgd: momentum={momentum!r} must be in [0, 1), or None for no momentum."
+        )
+    if nesterov and momentum is None:
+        raise ValueError("sgd: nesterov=True needs a momentum, e.g. momentum=0.9.")
+    return _build(
+        "sgd",
+        optax.sgd,
+        clip_value,
+        clip_global_norm,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        nesterov=nesterov,
+    )
+
+
+def adam(
+    learning_rate: LearningRate = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    clip_value: float | None = None,
+    clip_global_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Returns the Adam optimizer.
+
+    Args:
+        learning_rate: a non-negative float, or a schedule of the step count.
+        b1: exponential decay rate of the first moment estimate.
+        b2: exponential decay rate of the second moment estimate.
+        eps: added to the denominator for numerical stability.
+        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
+            before the optimizer.
+        clip_global_norm: if given, rescale gradients so that their global norm is at most
+            ``clip_global_norm`` (applied after ``clip_value``).
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state holds the learning rate under
+        ``hyperparams["learning_rate"]``.
+
+    Raises:
+        ValueError: for a negative learning rate or a non-positive clipping threshold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from loopax.optimizers import adam
+        >>> optimizer = adam(0.1)
+        >>> params = jnp.array([1.0, 2.0])
+        >>> updates, _ = optimizer.update(jnp.array([3.0, -0.5]), optimizer.init(params))
+        >>> [round(update, 4) for update in updates.tolist()]  # first Adam step: -lr * sign
+        [-0.1, 0.1]
+    """
+    return _build(
+        "adam",
+        optax.adam,
+        clip_value,
+        clip_global_norm,
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+    )
+
+
+def adamw(
+    learning_rate: LearningRate = 1e-3,
+    weight_decay: float = 1e-4,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    mask: Any = None,
+    *,
+    clip_value: float | None = None,
+    clip_global_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Returns Adam with decoupled weight decay (AdamW).
+
+    Each update subtracts ``learning_rate * weight_decay * params`` on top of the Adam
+    step, so ``update`` must be given ``params``.
+
+    Args:
+        learning_rate: a non-negative float, or a schedule of the step count.
+        weight_decay: the decoupled weight-decay rate (non-negative).
+        b1: exponential decay rate of the first moment estimate.
+        b2: exponential decay rate of the second moment estimate.
+        eps: added to the denominator for numerical stability.
+        mask: optional pytree of booleans (or a function of the params returning one)
+            selecting which parameters are decayed; None decays all.
+        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
+            before the optimizer.
+        clip_global_norm: if given, rescale gradients so that their global norm is at most
+            ``clip_global_norm`` (applied after ``clip_value``).
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state holds the learning rate under
+        ``hyperparams["learning_rate"]``.
+
+    Raises:
+        ValueError: for a negative learning rate or weight decay, or a non-positive
+            clipping threshold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from loopax.optimizers import adamw
+        >>> optimizer = adamw(0.1, weight_decay=0.5)
+        >>> params = jnp.array([1.0, 2.0])
+        >>> zero_grads = jnp.zeros(2)
+        >>> updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+        >>> [round(update, 4) for update in updates.tolist()]  # -lr * weight_decay * params
+        [-0.05, -0.1]
+    """
+    if weight_decay < 0:
+        raise ValueError(f"adamw: weight_decay={weight_decay!r} must be non-negative.")
+    return _build(
+        "adamw",
+        optax.adamw,
+        clip_value,
+        clip_global_norm,
+        # A callable mask is a function of the params, not a schedule to inject.
+        static_args=("mask",),
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mask=mask,
+    )
+
+
+def rmsprop(
+    learning_rate: LearningRate = 1e-3,
+    decay: float = 0.9,
+    eps: float = 1e-8,
+    momentum: float | None = None,
+    centered: bool = False,
+    nesterov: bool = False,
+    *,
+    clip_value: float | None = None,
+    clip_global_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Returns the RMSProp optimizer.
+
+    Args:
+        learning_rate: a non-negative float, or a schedule of the step count.
+        decay: decay rate of the running average of squared gradients.
+        eps: added inside the square root for numerical stability.
+        momentum: the momentum decay in ``[0, 1)``, or None for none.
+        centered: normalize by the estimated variance instead of the second moment.
+        nesterov: use Nesterov momentum (needs ``momentum``).
+        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
+            before the optimizer.
+        clip_global_norm: if given, rescale gradients so that their global norm is at most
+            ``clip_global_norm`` (applied after ``clip_value``).
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state holds the learning rate under
+        ``hyperparams["learning_rate"]``.
+
+    Raises:
+        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
+            ``nesterov`` without momentum, or a non-positive clipping threshold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from loopax.optimizers import rmsprop
+        >>> optimizer = rmsprop(0.01, decay=0.75)
+        >>> params = jnp.array([1.0])
+        >>> updates, _ = optimizer.update(jnp.array([2.0]), optimizer.init(params))
+        >>> round(updates.tolist()[0], 4)  # -lr * g / sqrt((1 - decay) * g**2)
+        -0.02
+    """
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(
+            f"rmsprop: momentum={momentum!r} must be in [0, 1), or None for no momentum."
+        )
+    if nesterov and momentum is None:
+        raise ValueError("rmsprop: nesterov=True needs a momentum, e.g. momentum=0.9.")
+    return _build(
+        "rmsprop",
+        optax.rmsprop,
+        clip_value,
+        clip_global_norm,
+        learning_rate=learning_rate,
+        decay=decay,
+        eps=eps,
+        momentum=momentum,
+        centered=centered,
+        nesterov=nesterov,
+    )
+
+
+_OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adam": adam,
+    "adamw": adamw,
+    "rmsprop": rmsprop,
+    "sgd": sgd,
+}
+
+
+def from_name(name: str, **hparams: Any) -> optax.GradientTransformation:
+    """Returns the optimizer called ``name`` built with the given hyperparameters.
+
+    Args:
+        name: one of ``"adam"``, ``"adamw"``, ``"rmsprop"``, ``"sgd"``
+            (case-insensitive).
+        **hparams: keyword arguments of that optimizer's factory, e.g.
+            ``learning_rate``, ``clip_global_norm``.
+
+    Returns:
+        The ``optax.GradientTransformation`` built by that factory.
+
+    Raises:
+        ValueError: if ``name`` is not a known optimizer; the message lists the valid
+            names.
+        TypeError: if a hyperparameter is not accepted by that optimizer; the message
+            names it and lists the valid ones.
+
+    Example:
+        >>> from loopax.optimizers import from_name, get_learning_rate
+        >>> optimizer = from_name("adamw", learning_rate=0.5, weight_decay=0.1)
+        >>> float(get_learning_rate(optimizer.init({"w": 1.0})))
+        0.5
+        >>> from_name("adagrad")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown optimizer 'adagrad'; valid names are: adam, adamw, rmsprop, sgd.
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {name!r}; valid names are: {', '.join(sorted(_OPTIMIZERS))}."
+        )
+    factory = _OPTIMIZERS[key]
+    valid = list(inspect.signature(factory).parameters)
+    unknown = [keyword for keyword in hparams if keyword not in valid]
+    if unknown:
+        hints = []
+        for keyword in unknown:
+            close = difflib.get_close_matches(keyword, valid, n=1)
+            if close:
+                hints.append(f" (did you mean {close[0]!r} for {keyword!r}?)")
+        raise TypeError(
+            f"optimizer {key!r} got unknown hyperparameter(s) "
+            f"{', '.join(repr(keyword) for keyword in unknown)}{''.join(hints)}; "
+            f"valid ones are: {', '.join(valid)}."
+        )
+    return factory(**hparams)

@@ -1,0 +1,138 @@
+"""Tests for get_learning_rate / set_learning_rate on loopax and optax optimizer states."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from loopax import optimizers
+
+_NAMES = ["adam", "adamw", "rmsprop", "sgd"]
+_PARAMS = {"w": jnp.array([1.0, -2.0]), "b": jnp.zeros(())}
+_GRADS = {"w": jnp.array([0.5, 0.25]), "b": jnp.array(1.0)}
+
+
+def _step_fn(optimizer):
+    def train_step(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+@pytest.mark.parametrize("name", _NAMES)
+@pytest.mark.parametrize("clip_global_norm", [None, 100.0])
+def test_get_set_round_trip(name, clip_global_norm):
+    optimizer = optimizers.from_name(name, learning_rate=0.5, clip_global_norm=clip_global_norm)
+    opt_state = optimizer.init(_PARAMS)
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.5
+    new_state = optimizers.set_learning_rate(opt_state, 0.125)
+    assert float(optimizers.get_learning_rate(new_state)) == 0.125
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.5  # input unchanged
+    old_leaves, old_tree = jax.tree.flatten(opt_state)
+    new_leaves, new_tree = jax.tree.flatten(new_state)
+    assert old_tree == new_tree
+    for old, new in zip(old_leaves, new_leaves):
+        assert jax.typeof(old) == jax.typeof(new)
+
+
+def test_learning_rate_stays_after_updates_and_set_value_is_used():
+    optimizer = optimizers.sgd(0.5, clip_value=10.0)
+    step = jax.jit(_step_fn(optimizer))
+    params, opt_state = step(_PARAMS, optimizer.init(_PARAMS), _GRADS)
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.5
+    opt_state = optimizers.set_learning_rate(opt_state, 0.25)
+    new_params, opt_state = step(params, opt_state, _GRADS)
+    np.testing.assert_allclose(new_params["w"], params["w"] - 0.25 * _GRADS["w"])
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.25
+
+
+@pytest.mark.parametrize("name", _NAMES)
+def test_set_learning_rate_does_not_recompile(name):
+    optimizer = optimizers.from_name(name, learning_rate=0.5, clip_value=10.0)
+    step = jax.jit(_step_fn(optimizer))
+    params, opt_state = step(_PARAMS, optimizer.init(_PARAMS), _GRADS)
+    params, opt_state = step(params, opt_state, _GRADS)
+    compilations = step._cache_size()
+    for value in (0.1, jnp.float32(0.01), jnp.array(0.0)):
+        opt_state = optimizers.set_learning_rate(opt_state, value)
+        params, opt_state = step(params, opt_state, _GRADS)
+    assert step._cache_size() == compilations == 1
+
+
+def test_compiled_step_accepts_state_with_new_learning_rate():
+    optimizer = optimizers.adam(0.5, clip_global_norm=1.0)
+    opt_state = optimizer.init(_PARAMS)
+    compiled = jax.jit(_step_fn(optimizer)).lower(_PARAMS, opt_state, _GRADS).compile()
+    zeroed = optimizers.set_learning_rate(opt_state, 0.0)
+    params, next_state = compiled(_PARAMS, zeroed, _GRADS)
+    np.testing.assert_allclose(params["w"], _PARAMS["w"])  # learning rate 0: no move
+    assert float(optimizers.get_learning_rate(next_state)) == 0.0
+
+
+def test_set_learning_rate_inside_jit():
+    optimizer = optimizers.sgd(0.5)
+
+    @jax.jit
+    def halve(opt_state):
+        return optimizers.set_learning_rate(
+            opt_state, optimizers.get_learning_rate(opt_state) / 2
+        )
+
+    opt_state = halve(optimizer.init(_PARAMS))
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.25
+
+
+def test_schedule_drives_the_learning_rate_and_refuses_set():
+    schedule = optimizers.exponential_decay(1.0, transition_steps=1, decay_rate=0.5)
+    optimizer = optimizers.sgd(schedule)
+    step = jax.jit(_step_fn(optimizer))
+    params, opt_state = _PARAMS, optimizer.init(_PARAMS)
+    assert float(optimizers.get_learning_rate(opt_state)) == 1.0  # schedule(0)
+    for num_updates in range(1, 4):
+        params, opt_state = step(params, opt_state, _GRADS)
+        # The injected value is the one the last update used: schedule(count - 1).
+        assert float(optimizers.get_learning_rate(opt_state)) == pytest.approx(
+            0.5 ** (num_updates - 1)
+        )
+    with pytest.raises(ValueError, match="driven by a schedule.*overwrites"):
+        optimizers.set_learning_rate(opt_state, 0.1)
+
+
+def test_state_without_injected_learning_rate():
+    opt_state = optax.chain(optax.clip(1.0), optax.adam(0.1)).init(_PARAMS)
+    assert optimizers.get_learning_rate(opt_state) is None
+    with pytest.raises(ValueError, match="no injectable learning rate.*inject_hyperparams"):
+        optimizers.set_learning_rate(opt_state, 0.1)
+
+
+def test_works_on_plain_optax_inject_hyperparams_nested_in_chain():
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.5, momentum=0.9),
+    )
+    opt_state = optimizers.set_learning_rate(optimizer.init(_PARAMS), 0.25)
+    assert float(optimizers.get_learning_rate(opt_state)) == 0.25
+    assert float(opt_state[1].hyperparams["momentum"]) == pytest.approx(0.9)
+
+
+def test_set_learning_rate_rejects_bad_values():
+    opt_state = optimizers.sgd(0.5).init(_PARAMS)
+    with pytest.raises(ValueError, match="must be a scalar"):
+        optimizers.set_learning_rate(opt_state, jnp.ones(2))
+    with pytest.raises(ValueError, match="must be non-negative"):
+        optimizers.set_learning_rate(opt_state, -0.1)
+
+
+def test_set_learning_rate_keeps_committed_placement():
+    optimizer = optimizers.sgd(0.5, momentum=0.9)
+    device = jax.devices()[0]
+    params, grads = jax.device_put((_PARAMS, _GRADS), device)
+    opt_state = jax.device_put(optimizer.init(_PARAMS), device)
+    step = jax.jit(_step_fn(optimizer))
+    params, opt_state = step(params, opt_state, grads)
+    opt_state = optimizers.set_learning_rate(opt_state, 0.125)
+    assert optimizers.get_learning_rate(opt_state).committed
+    params, opt_state = step(params, opt_state, grads)
+    assert step._cache_size() == 1
