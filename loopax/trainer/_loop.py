@@ -152,6 +152,8 @@ class Loop:
                 self._check_finite()
             try:
                 hook.fn(self, argument)
+            except NonFiniteLossError:
+                raise  # a trigger's lazy finite check: the same error as the loop's own
             except Exception as err:
                 raise HookError(phase, hook.name, self.loop_step, err) from err
 
