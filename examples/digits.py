@@ -1,0 +1,105 @@
+"""Train a small dropout MLP on scikit-learn's bundled digits with every loopax hook.
+
+    python examples/digits.py                    # ~97-98% test accuracy in well under a minute
+    python examples/digits.py --dir runs/digits  # run again with the same --dir: it resumes
+    python examples/digits.py --devices 4        # data-parallel on 4 simulated CPU devices
+
+Attached: progress bar, Orbax checkpoints (resume on restart), TensorBoard, periodic
+evaluation on the test split, plots, and a report at the end. The last line printed is
+`test accuracy: 0.9xx`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000, help="global step to train to")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--devices", type=int, default=1, help="devices to split each batch over")
+    parser.add_argument("--optimizer", default="adam", help="sgd, adam, adamw or rmsprop")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--dir", default="runs/digits", help="checkpoints, logs and plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def load_digits(seed: int):
+    """The 1797 8x8 digits bundled with scikit-learn (no download), split 80/20."""
+    import numpy as np
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    data = sklearn_digits()
+    images = (data.images.reshape(len(data.images), -1) / 16.0).astype(np.float32)
+    labels = data.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    split = int(0.8 * len(labels))
+    train, test = order[:split], order[split:]
+    return (images[train], labels[train]), (images[test], labels[test])
+
+
+def model_fn(ctx, spec, inputs):
+    """An MLP with dropout: 64 -> 256 -> 128 -> 10 logits."""
+    import flax.linen as nn
+
+    x = inputs[0]
+    for width in (256, 128):
+        x = nn.relu(nn.Dense(width)(x))
+        x = nn.Dropout(0.2, deterministic=not ctx.training)(x)
+    return nn.Dense(10)(x)
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    if args.devices > 1:
+        # Simulated CPU devices must be requested before JAX initializes.
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+
+    import jax
+
+    import loopax
+    from loopax import hooks, losses, metrics, optimizers
+
+    if len(jax.devices()) < args.devices:
+        sys.exit(f"asked for {args.devices} devices but JAX has {len(jax.devices())}")
+    (train_x, train_y), (test_x, test_y) = load_digits(args.seed)
+    train = loopax.ArrayDataset(
+        train_x, train_y, args.batch_size, name="train", seed=args.seed, loop_forever=True
+    )
+    test = loopax.ArrayDataset(
+        test_x, test_y, args.batch_size, name="test", shuffle=False, drop_remainder=False
+    )
+    trainer = loopax.Trainer(
+        model_fn,
+        losses.sparse_categorical_crossentropy_logits,
+        optimizers.from_name(args.optimizer, learning_rate=args.learning_rate),
+        train_metrics=[metrics.MovingAverageSparseCategoricalAccuracy()],
+        eval_metrics=[metrics.SparseCategoricalAccuracy()],
+        seed=args.seed,
+        devices=jax.devices()[: args.devices],
+    )
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, os.path.join(args.dir, "checkpoints"), every_n_steps=500)
+    if trainer.global_step > 0:
+        print(f"resumed from step {trainer.global_step} in {args.dir}")
+    if not args.no_progress:
+        hooks.progress_bar(loop)
+    hooks.evaluate(loop, [test], n_times=10)
+    hooks.tensorboard(loop, os.path.join(args.dir, "tensorboard"))
+    hooks.plot(loop, os.path.join(args.dir, "plots"), eval_datasets=[test])
+    loop.run_to_step(train, args.steps)
+    checkpointer.wait()
+    hooks.report_eval(trainer, train, test)
+    accuracy = trainer.evaluate(test)["Accuracy"]
+    print(f"test accuracy: {accuracy:.3f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()
