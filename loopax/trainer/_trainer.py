@@ -275,7 +275,9 @@ class Trainer:
         initializer = _steps.make_initializer(
             lambda key, xs: per_device(spec, key, xs), self.mesh
         )
-        variables = initializer(rng, self._to_global(inputs))
+        if self._multi_process:
+            inputs = self._to_global(inputs)
+        variables = initializer(rng, inputs)
         params = variables.pop("params", {})
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -293,16 +295,20 @@ class Trainer:
     # -- compilation ----------------------------------------------------------------------
 
     def _to_global(self, arrays: list[Any]) -> list[Any]:
-        if not self._multi_process:
-            if self.parallel == "pmap":
-                n = self.num_devices
-                return [np.reshape(a, (n, a.shape[0] // n, *a.shape[1:])) if isinstance(a, np.ndarray)
-                        else jnp.reshape(a, (n, a.shape[0] // n, *a.shape[1:])) for a in arrays]
-            return arrays
-        return [
-            jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
-            for a in arrays
-        ]
+        """Process-local batch arrays -> what the compiled step takes.
+
+        Multi-process: global arrays assembled from each process's share. pmap: a leading
+        device axis. Otherwise the arrays as they are (jit places them).
+        """
+        if self._multi_process:
+            return [
+                jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
+                for a in arrays
+            ]
+        if self.parallel == "pmap":
+            n = self.num_devices
+            return [a.reshape((n, a.shape[0] // n, *a.shape[1:])) for a in arrays]
+        return arrays
 
     def _validate_batch(self, graph: str, spec: Any, key_spec: Hashable, inputs, labels) -> None:
         if not inputs:
