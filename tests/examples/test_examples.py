@@ -1,0 +1,62 @@
+"""The examples run as a newcomer runs them: as scripts, in fresh processes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(args, cwd, timeout=300):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the examples choose their own device count
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def test_digits_trains_resumes_and_reports(tmp_path):
+    pytest.importorskip("sklearn")
+    first = _run(
+        [str(EXAMPLES / "digits.py"), "--steps", "300", "--dir", str(tmp_path), "--no-progress"],
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    last_line = first.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("test accuracy: 0.9"), first.stdout[-2000:]
+    assert "Results on test:" in first.stdout
+    assert "resumed" not in first.stdout
+
+    second = _run(
+        [str(EXAMPLES / "digits.py"), "--steps", "350", "--dir", str(tmp_path), "--no-progress"],
+        cwd=tmp_path,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 300" in second.stdout
+    assert second.stdout.strip().splitlines()[-1].startswith("test accuracy: 0.")
+    assert any((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+    assert any((tmp_path / "plots").glob("*.png"))
+
+
+def test_digits_on_four_simulated_devices(tmp_path):
+    pytest.importorskip("sklearn")
+    result = _run(
+        [str(EXAMPLES / "digits.py"), "--steps", "100", "--devices", "4",
+         "--dir", str(tmp_path), "--no-progress"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("test accuracy: 0.")
+
+
+def test_custom_setup_compiles_once_per_spec(tmp_path):
+    result = _run([str(EXAMPLES / "custom_setup.py"), "--steps", "40"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [line for line in result.stdout.splitlines() if line.startswith("compiled")]
+    assert len(compiled) == 2, result.stdout
+    assert "'short': 19 cache hits" in result.stdout
+    assert "'long': 19 cache hits" in result.stdout
