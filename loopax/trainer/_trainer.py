@@ -316,7 +316,7 @@ class Trainer:
                 f"at least one input is required: the {graph} batch for spec {spec!r} has none"
             )
         counts = (len(inputs), len(labels))
-        known = self._input_counts.setdefault(key_spec, counts)
+        known = self._input_counts.get(key_spec, counts)
         if known != counts:
             raise ValueError(
                 f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
@@ -340,6 +340,8 @@ class Trainer:
                 f"batch size {batch} is not divisible by the {self._local_devices} devices; use a "
                 f"batch size that is a multiple of {self._local_devices} or pass devices=..."
             )
+        # Recorded only for a valid batch, so a rejected first batch does not pin the spec.
+        self._input_counts[key_spec] = counts
 
     def _compile(self, graph: str, key: Hashable, spec: Any, inputs, labels) -> Executor:
         self._validate_batch(graph, spec, key[1], inputs, labels)
