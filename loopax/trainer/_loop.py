@@ -213,7 +213,8 @@ class Loop:
             return {}
         self._start_run(dataset, self.trainer.global_step + int(steps))
         end_step = self.end_step
-        while self.loop_step < end_step:
+        # A stop requested by an OnStart hook runs no step, as in run_epochs.
+        while self.loop_step < end_step and not self._stop_requested:
             started = time.perf_counter()
             try:
                 batch = self._next_batch(dataset)
@@ -226,8 +227,6 @@ class Loop:
                 ) from None
             self._train_one(batch, started)
             self.loop_step += 1
-            if self._stop_requested:
-                break
         return self._end_run()
 
     def run_to_step(self, dataset: Dataset, global_step: int) -> Metrics:
