@@ -1,0 +1,70 @@
+"""How the observability hooks name, group and print each train and eval metric.
+
+The trainer's built-in metrics (`loss`, `moving_average_loss`, `mean_loss`) are not `Metric`
+objects, so their display names, short names and types (GoMLX's) are given here; user metrics
+describe themselves. Also the one rule every writing hook shares: only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from ..metrics import format_number
+
+LOSS_METRIC_TYPE = "loss"
+
+# key -> (display name, short name); GoMLX's names for its built-in loss metrics.
+_BUILTINS = {
+    "loss": ("Batch Loss", "batch"),
+    "moving_average_loss": ("Moving Average Loss", "~loss"),
+    "mean_loss": ("Mean Loss", "#loss"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricInfo:
+    """What hooks need to show one metric.
+
+    Attributes:
+      key: the key in the trainer's metrics dict (`"loss"`, `"Accuracy"`, ...).
+      name: the display name (`"Batch Loss"`; the key for user metrics).
+      short_name: for compact displays (`"~loss"`, `"acc"`).
+      metric_type: metrics of the same type share a plot (`"loss"`, `"accuracy"`).
+      pretty_print: formats a value for people (`0.123`, `93.41%`).
+    """
+
+    key: str
+    name: str
+    short_name: str
+    metric_type: str
+    pretty_print: Callable[[Any], str]
+
+
+def _describe(key: str, metric: Any | None) -> MetricInfo:
+    if metric is None:
+        name, short_name = _BUILTINS.get(key, (key, key))
+        return MetricInfo(key, name, short_name, LOSS_METRIC_TYPE, format_number)
+    short_name = getattr(metric, "short_name", None) or key
+    metric_type = getattr(metric, "metric_type", "") or key
+    pretty_print = getattr(metric, "pretty_print", None) or format_number
+    return MetricInfo(key, key, short_name, metric_type, pretty_print)
+
+
+def train_metric_infos(trainer: Any) -> tuple[MetricInfo, ...]:
+    """Describes the trainer's train metrics, in the order `train_step` returns them."""
+    by_name = {metric.name: metric for metric in trainer.train_metrics}
+    return tuple(_describe(key, by_name.get(key)) for key in trainer.train_metric_names)
+
+
+def eval_metric_infos(trainer: Any) -> tuple[MetricInfo, ...]:
+    """Describes the trainer's eval metrics, in the order `evaluate` returns them."""
+    by_name = {metric.name: metric for metric in trainer.eval_metrics}
+    return tuple(_describe(key, by_name.get(key)) for key in trainer.eval_metric_names)
+
+
+def is_writer_process() -> bool:
+    """Whether this process writes logs, plots and progress: only process 0 does."""
+    return jax.process_index() == 0

@@ -1,0 +1,187 @@
+"""`tensorboard`: event files read back with TensorBoard's own reader and served by a real
+`tensorboard --logdir` server."""
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+from observability_helpers import LEARNING_RATE, make_data, make_trainer, record_compilations
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import loopax
+from loopax import hooks
+
+TRAIN_TAGS = ["train/loss", "train/moving_average_loss", "train/Moving Average Accuracy"]
+
+
+def read_events(logdir):
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def run_logged(logdir, steps=12, **kwargs):
+    trainer = make_trainer()
+    compiled = record_compilations(trainer)
+    loop = loopax.Loop(trainer)
+    recorded = {}
+
+    def record(loop, metrics):
+        recorded[loop.trainer.global_step] = {k: float(v) for k, v in metrics.items()}
+
+    loop.on_step("record", record)
+    hooks.evaluate(loop, make_data("test", 2, seed=1, shuffle=False), every_n_steps=6)
+    writer = hooks.tensorboard(loop, logdir, **kwargs)
+    loop.run_steps(make_data(loop_forever=True), steps)
+    return loop, writer, recorded, compiled
+
+
+def test_scalars_read_back_with_event_accumulator(tmp_path):
+    loop, writer, recorded, compiled = run_logged(tmp_path, every_n_steps=5)
+    events = read_events(tmp_path)
+    scalar_tags = events.Tags()["scalars"]
+    assert set(scalar_tags) == {*TRAIN_TAGS, "train/learning_rate", "test/mean_loss",
+                                "test/Accuracy"}
+    for tag in TRAIN_TAGS:
+        scalars = events.Scalars(tag)
+        # every 5 steps (global steps 5, 10) and at the end of the run (12)
+        assert [s.step for s in scalars] == [5, 10, 12]
+        key = tag.split("/", 1)[1]
+        np.testing.assert_allclose([s.value for s in scalars],
+                                   [recorded[step][key] for step in (5, 10, 12)], rtol=1e-6)
+    assert [s.value for s in events.Scalars("train/learning_rate")] == pytest.approx([LEARNING_RATE] * 3)
+    evaluations = loop.shared_data
+    assert [s.step for s in events.Scalars("test/mean_loss")] == [6, 12]
+    assert events.Scalars("test/Accuracy")[-1].value == pytest.approx(
+        evaluations["eval"]["test"]["Accuracy"])
+    # The run summary, as Markdown text at the first step.
+    summary = events.Tensors("run/summary")
+    text = summary[0].tensor_proto.string_val[0].decode()
+    assert summary[0].step == 1
+    assert "**parameters:** 58 (232 B)" in text  # Dense(4 -> 8) + Dense(8 -> 2)
+    # Flax numbers the outer Dense(2) first: it is created before the inner Dense(8).
+    assert "| Dense_1/kernel | (4, 8) | float32 | 32 |" in text
+    assert "**devices:** 1 (cpu" in text and "**command line:**" in text
+    assert compiled == []  # logging never compiles anything
+    assert not [name for name in sys.modules if name.split(".")[0] == "tensorflow"]
+
+
+def test_histograms_and_a_second_run(tmp_path):
+    loop, writer, _, _ = run_logged(tmp_path, steps=4, every_n_steps=100,
+                                    histograms_every_n_steps=2, summary=False)
+    loop.run_steps(make_data(loop_forever=True), 3)  # a second run appends to the same file
+    events = read_events(tmp_path)
+    assert "run/summary" not in events.Tags()["tensors"]
+    histograms = [tag for tag in events.Tags()["tensors"] if tag.startswith("params/")]
+    assert sorted(histograms) == ["params/Dense_0/bias", "params/Dense_0/kernel",
+                                  "params/Dense_1/bias", "params/Dense_1/kernel"]
+    kernel = events.Tensors("params/Dense_1/kernel")  # the (4, 8) kernel
+    assert [event.step for event in kernel] == [2, 4, 6]
+    buckets = np.frombuffer(kernel[0].tensor_proto.tensor_content, np.float64).reshape(-1, 3)
+    assert buckets[:, 2].sum() == 32  # every kernel entry lands in a bucket
+    # every_n_steps=100 never fires: only the ends of both runs are logged
+    assert [s.step for s in events.Scalars("train/loss")] == [4, 7]
+    writer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.add_scalars(8, {"train/loss": 0.0})
+
+
+def test_rejects_bad_arguments(tmp_path):
+    loop = loopax.Loop(make_trainer())
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        hooks.tensorboard(loop, tmp_path, every_n_steps=0)
+    with pytest.raises(ValueError, match="max_pending"):
+        hooks.tensorboard(loop, tmp_path, max_pending=0)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get_json(url):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_a_real_tensorboard_server_serves_the_scalars(tmp_path):
+    run_logged(tmp_path, every_n_steps=4)
+    port = _free_port()
+    log_path = tmp_path.parent / f"{tmp_path.name}-tensorboard.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path),
+             "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}/data/plugin/scalars"
+    try:
+        deadline = time.monotonic() + 60
+        tags = {}
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                pytest.fail(f"tensorboard exited: {log_path.read_text()[-2000:]}")
+            try:
+                tags = _get_json(f"{base}/tags")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                tags = {}
+            if tags.get(".", {}).get("test/Accuracy"):
+                break
+            time.sleep(0.25)  # polling an external server: nothing to inject a clock into
+        assert set(tags) == {"."}, tags
+        assert {*TRAIN_TAGS, "train/learning_rate", "test/mean_loss"} <= set(tags["."])
+        query = urllib.parse.urlencode({"tag": "train/loss", "run": "."})
+        points = _get_json(f"{base}/scalars?{query}")  # [[wall_time, step, value], ...]
+        assert [step for _, step, _ in points] == [4, 8, 12]
+        assert all(np.isfinite(value) for _, _, value in points)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    loop = loopax.Loop(make_trainer())
+    hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=1)
+    loop.run_steps(make_data(loop_forever=True), 2)
+    assert not (tmp_path / "tb").exists()
+
+
+def test_hooks_read_the_device_only_on_the_steps_they_fire(tmp_path, monkeypatch):
+    loop = loopax.Loop(make_trainer())
+    now = [0.0]
+    hooks.progress_bar(loop, refresh_seconds=1000, clock=lambda: now[0], file=io.StringIO())
+    hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=7)
+    hooks.metrics_log(loop, tmp_path / "metrics.csv", every_n_steps=7)
+    hooks.plot(loop, tmp_path / "plot", start_step=7, factor=3, render=False)
+    hooks.evaluate(loop, make_data("test", 1), every_n_steps=7, call_on_end=False)
+    reads = []
+    device_get = jax.device_get
+
+    def counting_device_get(tree):
+        # The TensorBoard writer thread reads whenever it likes: the loop never waits for it.
+        if threading.current_thread() is threading.main_thread():
+            reads.append(loop.loop_step)
+        return device_get(tree)
+
+    monkeypatch.setattr(jax, "device_get", counting_device_get)
+    loop.run_steps(make_data(loop_forever=True), 12)
+    # Step 0: the progress bar's first refresh; step 6: the hooks firing every 7 steps; 7: the
+    # plot's grid point 7 (the loss check before LOG-band triggers and the metrics); then the
+    # end of the run (loop_step is 12 by then). No other step reads anything.
+    assert sorted(set(reads)) == [0, 6, 7, 12]
