@@ -1,5 +1,7 @@
 """Trigger helpers and ready hooks for `loopax.Loop`."""
 
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import checkpoint as checkpoint
 from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
@@ -17,11 +19,13 @@ from ._triggers import n_times_during_loop as n_times_during_loop
 from ._triggers import periodic_callback as periodic_callback
 
 __all__ = [
+    "Checkpointer",
     "Evaluator",
     "MetricsLog",
     "Plotter",
     "ProgressBar",
     "TensorBoardWriter",
+    "checkpoint",
     "evaluate",
     "every_n_steps",
     "exponential_callback",

@@ -1,0 +1,94 @@
+"""Trains a tiny dropout model with checkpoints; the kill-and-resume tests run it as a subprocess.
+
+    python checkpoint_worker.py DIR TARGET_STEP OUT.npz [--every N] [--kill-after-save STEP]
+                                [--kill-in-commit STEP] [--exit-after-save STEP]
+
+`--kill-after-save S` sends SIGKILL to itself right after the save of global step S was issued
+(its background write still in flight); `--kill-in-commit S` does it inside Orbax's commit of
+step S, after the data was written but before the checkpoint became valid; `--exit-after-save S`
+leaves the interpreter normally right after issuing the save of step S. Without those it
+runs to TARGET_STEP and writes the final parameters to OUT.npz (no pickle).
+"""
+
+import argparse
+import os
+import signal
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+import loopax
+from loopax import hooks
+
+
+def model_fn(ctx, spec, inputs):
+    hidden = nn.relu(nn.Dense(16)(inputs[0]))
+    hidden = nn.Dropout(0.5, deterministic=not ctx.training)(hidden)
+    return nn.Dense(1)(hidden)
+
+
+def make_dataset():
+    rng = np.random.default_rng(0)
+    inputs = rng.normal(size=(40, 4)).astype(np.float32)
+    labels = (inputs.sum(axis=1, keepdims=True) > 0).astype(np.float32)
+    # 40 examples in batches of 8: the run crosses several reshuffled epochs.
+    return loopax.ArrayDataset(inputs, labels, batch_size=8, loop_forever=True, seed=3)
+
+
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_inside_commit(step):
+    from orbax.checkpoint._src.path import atomicity  # noqa: PLC0415
+
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self, *args, **kwargs):
+        if os.path.basename(str(self.get_final())) == str(step):
+            kill_self()
+        return await original(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("target", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--kill-after-save", type=int)
+    parser.add_argument("--kill-in-commit", type=int)
+    parser.add_argument("--exit-after-save", type=int)
+    args = parser.parse_args()
+
+    if args.kill_in_commit is not None:
+        kill_inside_commit(args.kill_in_commit)
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.binary_crossentropy_logits, optax.adam(0.01),
+        devices=jax.devices()[:1],
+    )
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, args.directory, every_n_steps=args.every, keep=2)
+    print(f"resumed from step {checkpointer.restored_step}", flush=True)
+    if args.kill_after_save is not None:
+        def kill_after_save(loop, metrics):
+            if trainer.global_step == args.kill_after_save:
+                kill_self()
+        loop.on_step("kill", kill_after_save, loopax.Priority.CHECKPOINT + 1)
+    if args.exit_after_save is not None:
+        def exit_after_save(loop, metrics):
+            if trainer.global_step == args.exit_after_save:
+                raise SystemExit(3)  # not an Exception: leaves the loop and the interpreter
+        loop.on_step("exit", exit_after_save, loopax.Priority.CHECKPOINT + 1)
+    loop.run_to_step(make_dataset(), args.target)
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
+    np.savez(args.out, **{jax.tree_util.keystr(path): leaf for path, leaf in leaves})
+    print(f"done at step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

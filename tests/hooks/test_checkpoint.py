@@ -1,0 +1,379 @@
+"""The checkpoint hook with real Orbax checkpoints, real Loops and real killed subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import loopax
+from loopax import hooks
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+BATCH_SIZE = 8
+
+
+def model_fn(ctx, spec, inputs):
+    hidden = nn.Dense(4)(inputs[0])
+    return nn.Dense(1)(nn.Dropout(0.5, deterministic=not ctx.training)(hidden))
+
+
+def make_trainer(devices=None):
+    return loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01),
+        devices=jax.devices()[:1] if devices is None else devices,
+    )
+
+
+def make_dataset(seed=0):
+    rng = np.random.default_rng(0)
+    inputs = rng.normal(size=(24, 3)).astype(np.float32)
+    return loopax.ArrayDataset(inputs, inputs.sum(1, keepdims=True), batch_size=BATCH_SIZE,
+                               loop_forever=True, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def compiled_trainer():
+    # One trainer for most tests: compiling costs seconds, a step well under a millisecond.
+    trainer = make_trainer()
+    initial = []
+    trainer.add_state_initializer(lambda state: initial.append(jax.device_get(state)) or state)
+    loopax.Loop(trainer).run_steps(make_dataset(), 1)
+    return trainer, initial[0]
+
+
+@pytest.fixture
+def trainer(compiled_trainer):
+    """The shared trainer, back at its freshly initialized state (step 0)."""
+    trainer, initial_state = compiled_trainer
+    trainer.state = jax.tree.map(np.array, initial_state)
+    assert trainer.global_step == 0
+    return trainer
+
+
+def assert_trees_equal(expected, actual):
+    expected, actual = jax.device_get(expected), jax.device_get(actual)
+    assert jax.tree.structure(expected) == jax.tree.structure(actual)
+    for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
+        assert np.array_equal(want, got)
+
+
+def worker_command(directory, target, out, *flags):
+    return [sys.executable, str(WORKER), str(directory), str(target), str(out), *flags]
+
+
+def worker_env(cache):
+    # The killed and resumed runs compile the same step: share it through JAX's disk cache.
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def run_worker(tmp_path, *args):
+    return subprocess.run(worker_command(*args), capture_output=True, text=True, timeout=120,
+                          env=worker_env(tmp_path / "jax-cache"))
+
+
+# -- exact resume across processes ---------------------------------------------------------
+
+
+def test_sigkill_at_several_steps_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
+    reference = subprocess.Popen(  # in parallel with the killed runs
+        worker_command(tmp_path / "reference", 20, tmp_path / "ref.npz"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=worker_env(tmp_path / "jax-cache"),
+    )
+    directory, out = tmp_path / "killed", tmp_path / "out.npz"
+    # Killed right after the save of step 6 was issued, its background write in flight.
+    killed = run_worker(tmp_path, directory, 20, out, "--kill-after-save", "6")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert "resumed from step None" in killed.stdout
+    # Killed inside Orbax's commit of step 12: written, but never made a valid checkpoint.
+    killed = run_worker(tmp_path, directory, 20, out, "--kill-in-commit", "12")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert "resumed from step 3" in killed.stdout or "resumed from step 6" in killed.stdout
+    assert "12.orbax-checkpoint-tmp" in os.listdir(directory)
+    # A normal exit right after the save of step 15 was issued: it completes at exit.
+    exited = run_worker(tmp_path, directory, 20, out, "--exit-after-save", "15")
+    assert exited.returncode == 3, exited.stderr[-3000:]
+    assert "resumed from step 9" in exited.stdout
+    assert "15" in os.listdir(directory)
+    finished = run_worker(tmp_path, directory, 20, out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "resumed from step 15" in finished.stdout
+    assert "done at step 20" in finished.stdout
+    _, errors = reference.communicate(timeout=120)
+    assert reference.returncode == 0, errors[-3000:]
+
+    want, got = np.load(tmp_path / "ref.npz"), np.load(out)
+    assert sorted(want.files) == sorted(got.files)
+    for name in want.files:
+        assert np.array_equal(want[name], got[name]), name
+
+
+# -- in-process behaviour --------------------------------------------------------------------
+
+
+def train(trainer, directory, steps, **options):
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, directory, **options)
+    loop.run_to_step(make_dataset(), steps)
+    checkpointer.wait()
+    return trainer, loop, checkpointer
+
+
+def test_saves_on_trigger_and_at_the_end_of_every_run(trainer, tmp_path):
+    _, loop, checkpointer = train(trainer, tmp_path, 5, every_n_steps=2, keep=None)
+    assert checkpointer.all_steps() == [2, 4, 5]
+    loop.run_steps(make_dataset(), 2)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2, 4, 5, 6, 7]
+    assert checkpointer.latest_step() == 7
+
+
+def test_restore_in_a_fresh_trainer_continues_steps_before_the_first_batch(trainer, tmp_path):
+    dataset = make_dataset()
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, tmp_path, every_n_steps=2).wait()
+    loop.run_to_step(dataset, 5)
+
+    resumed = make_trainer()
+    resumed_loop = loopax.Loop(resumed)
+    checkpointer = hooks.checkpoint(resumed_loop, tmp_path)
+    assert checkpointer.restored_step == 5
+    assert (resumed.global_step, resumed_loop.loop_step) == (5, 5)
+    assert resumed.state is None  # the arrays arrive with the first batch
+    assert resumed_loop.run_to_step(make_dataset(), 5) == {}  # already there: a no-op
+    assert resumed.global_step == 5 and checkpointer.all_steps() == [2, 4, 5]
+    resumed_loop.run_to_step(make_dataset(), 6)  # the dataset position comes back too
+    assert checkpointer.all_steps() == [4, 5, 6]
+
+    loopax.Loop(trainer).run_to_step(dataset, 6)  # the saving run, continued in memory
+    for field in ("step", "params", "opt_state", "model_state", "rng"):
+        assert_trees_equal(getattr(trainer.state, field), getattr(resumed.state, field))
+
+
+def test_resumed_run_equals_uninterrupted_run_in_process(trainer, compiled_trainer, tmp_path):
+    initial = compiled_trainer[1]
+    loopax.Loop(trainer).run_to_step(make_dataset(), 9)
+    uninterrupted = jax.device_get(trainer.state)
+    trainer.state = jax.tree.map(np.array, initial)
+    train(trainer, tmp_path, 4)
+    trainer.state = jax.tree.map(np.array, initial)  # as a new process: restoring overwrites it
+    train(trainer, tmp_path, 9)
+    assert_trees_equal(uninterrupted.params, trainer.state.params)
+    assert_trees_equal(uninterrupted.opt_state, trainer.state.opt_state)
+
+
+def test_explicit_save_and_restore_of_an_older_step(trainer, tmp_path):
+    _, loop, checkpointer = train(trainer, tmp_path, 3, keep=None)
+    state_at_3 = jax.device_get(trainer.state)
+    loop.run_steps(make_dataset(), 2)
+    assert checkpointer.save() is None  # step 5 was just saved at the end of the run
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [3, 5]
+    assert checkpointer.restore(3) == 3
+    assert (trainer.global_step, loop.loop_step) == (3, 3)
+    assert_trees_equal(state_at_3, trainer.state)
+    with pytest.raises(ValueError, match="no checkpoint of step 4"):
+        checkpointer.restore(4)
+
+
+def test_save_before_the_first_batch_is_an_error(tmp_path):
+    checkpointer = hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
+    with pytest.raises(RuntimeError, match="before the trainer's first step"):
+        checkpointer.save()
+
+
+def test_the_second_step_never_compiles_again(trainer, tmp_path):
+    compiled = []
+    trainer.on_exec_creation(compiled.append)
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, tmp_path, every_n_steps=1)
+    loop.run_steps(make_dataset(), 4)
+    assert compiled == []
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+def test_keeps_the_newest_keep(trainer, tmp_path):
+    _, _, checkpointer = train(trainer, tmp_path, 6, every_n_steps=1, keep=2)
+    assert checkpointer.all_steps() == [5, 6]
+    assert sorted(os.listdir(tmp_path)) == ["5", "6"]
+
+
+def test_keep_period_keeps_multiples_forever(trainer, tmp_path):
+    _, _, checkpointer = train(trainer, tmp_path, 7, every_n_steps=1, keep=1, keep_period=3)
+    assert checkpointer.all_steps() == [3, 6, 7]
+
+
+@pytest.mark.parametrize("best_mode, best_step", [("min", 2), ("max", 1)])
+def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_step):
+    losses = {0: 5.0, 1: 1.0, 2: 4.0, 3: 3.0}  # by loop_step; at step 4 only a stale value
+
+    def fake_evaluation(loop, metrics):
+        if loop.loop_step in losses:
+            loop.shared_data["eval"] = {"test": {"mean_loss": losses[loop.loop_step]}}
+            loop.shared_data["eval_step"] = trainer.global_step
+        else:
+            loop.shared_data["eval"] = {"test": {"mean_loss": -100.0}}  # from another step
+
+    loop = loopax.Loop(trainer)
+    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=1,
+                                    best_metric="eval/test/mean_loss", best_mode=best_mode)
+    loop.run_steps(make_dataset(), 5)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [best_step, 5]
+
+
+def test_keeps_the_best_by_a_train_metric(trainer, tmp_path):
+    loop = loopax.Loop(trainer)
+    losses = {}
+    loop.on_step("record", lambda lp, m: losses.update({trainer.global_step: float(m["loss"])}))
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=1, keep_best=2,
+                                    best_metric="train/loss")
+    loop.run_steps(make_dataset(), 6)
+    checkpointer.wait()
+    best_two = sorted(losses, key=losses.get)[:2]
+    assert checkpointer.all_steps() == sorted({*best_two, 6})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"keep": 0}, "keep must be a positive int"),
+    ({"keep_period": -3}, "keep_period must be a positive int"),
+    ({"best_mode": "lowest"}, "best_mode must be 'min' or 'max'"),
+    ({"best_metric": "loss"}, "best_metric must be 'train/<metric>'"),
+    ({"best_metric": "train/accuracy"}, "names no train metric"),
+    ({"every_n_steps": 0}, "n must be a positive int"),
+    ({"period_seconds": 0}, "period_seconds must be a finite number > 0"),
+])
+def test_invalid_configuration_raises_at_attach(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path, **options)
+
+
+# -- damaged and foreign directories ---------------------------------------------------------
+
+
+def test_falls_back_from_a_damaged_newest_checkpoint_and_keeps_it(trainer, tmp_path):
+    train(trainer, tmp_path, 4, every_n_steps=2)
+    data_files = [path for path in (tmp_path / "4" / "state").rglob("*")
+                  if path.is_file() and path.parent.name == "d"]
+    assert data_files
+    for path in data_files:
+        path.write_bytes(b"not an array" * 10)
+
+    loop = loopax.Loop(trainer)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint '.*4' could not be read .*falling back"):
+        checkpointer = hooks.checkpoint(loop, tmp_path)
+    assert checkpointer.restored_step == 2
+    assert (trainer.global_step, loop.loop_step) == (2, 2)
+    assert (tmp_path / "damaged" / "4" / "state").is_dir()  # set aside, never deleted
+    loop.run_to_step(make_dataset(), 4)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2, 4]
+    hooks.checkpoint(loopax.Loop(trainer), tmp_path)  # the directory stays usable
+
+
+def test_a_damaged_description_falls_back_too(trainer, tmp_path):
+    train(trainer, tmp_path, 4, every_n_steps=2)
+    (tmp_path / "4" / "loopax" / "metadata").write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="could not be read"):
+        checkpointer = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
+    assert checkpointer.restored_step == 2
+
+
+def test_a_directory_with_other_content_is_a_clear_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="holds 'notes.txt', which is not part of a loopax"):
+        hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
+
+
+def test_a_foreign_orbax_checkpoint_is_a_clear_error(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(tmp_path / "7", {"w": np.ones(3)})
+    with pytest.raises(ValueError, match="holds '7', which is not part of a loopax"):
+        hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
+
+
+def test_a_file_is_not_a_directory(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path / "file")
+
+
+# -- triggers, dataset position and devices --------------------------------------------------
+
+
+def test_trigger_schedules_and_dataset_position_continue_after_a_resume(
+        trainer, compiled_trainer, tmp_path):
+    def attach(trainer):
+        loop = loopax.Loop(trainer)
+        fired = {"n_times": [], "every": [], "exponential": [], "batches": []}
+        hooks.n_times_during_loop(loop, 4, "n", lambda lp, m: fired["n_times"].append(lp.loop_step))
+        hooks.every_n_steps(loop, 5, "e", lambda lp, m: fired["every"].append(lp.loop_step))
+        hooks.exponential_callback(loop, 3, 2.0, "x",
+                                   lambda lp, m: fired["exponential"].append(lp.loop_step))
+        return loop, fired
+
+    loop, uninterrupted = attach(trainer)
+    loop.run_to_step(make_dataset(), 20)
+    uninterrupted_state = jax.device_get(trainer.state)
+
+    trainer.state = jax.tree.map(np.array, compiled_trainer[1])
+    loop, first = attach(trainer)
+    hooks.checkpoint(loop, tmp_path)
+    loop.on_step("interrupt", lambda lp, m: lp.loop_step == 11 and lp.request_stop("test"))
+    loop.run_to_step(make_dataset(), 20)
+    assert trainer.global_step == 12
+
+    trainer.state = jax.tree.map(np.array, compiled_trainer[1])  # as a new process
+    loop, second = attach(trainer)
+    hooks.checkpoint(loop, tmp_path)
+    loop.run_to_step(make_dataset(), 20)
+    for name in ("n_times", "every", "exponential"):
+        assert first[name] + second[name] == uninterrupted[name], name
+    assert second["n_times"] == [14, 19]
+    assert_trees_equal(uninterrupted_state.params, trainer.state.params)
+
+
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
+
+
+def test_restore_onto_one_and_four_devices(tmp_path):
+    if jax.device_count() < 4:
+        assert "LOOPAX_FOUR_DEVICES_RERUN" not in os.environ, jax.devices()
+        # Simulated devices must be set before jax starts: rerun this test in a fresh process.
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}",
+                   JAX_PLATFORMS="cpu", LOOPAX_FOUR_DEVICES_RERUN="1")
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+             f"{__file__}::test_restore_onto_one_and_four_devices"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return
+    trainers = {count: make_trainer(jax.devices()[:count]) for count in (4, 1)}
+    loopax.Loop(trainers[4]).run_steps(make_dataset(), 3)
+    loopax.Loop(trainers[1]).run_steps(make_dataset(), 1)
+    for saving, loading in [(4, 1), (1, 4)]:
+        directory = tmp_path / f"{saving}-to-{loading}"
+        checkpointer = hooks.checkpoint(loopax.Loop(trainers[saving]), directory, restore=False)
+        checkpointer.save()
+        checkpointer.wait()
+        saved = jax.device_get(trainers[saving].state)
+        loop = loopax.Loop(trainers[loading])
+        hooks.checkpoint(loop, directory)
+        assert trainers[loading].num_devices == loading
+        assert_trees_equal(saved, trainers[loading].state)
+        loop.run_steps(make_dataset(), 1)  # trains on with the restored arrays
+        assert trainers[loading].global_step == saved.step + 1
