@@ -1,0 +1,390 @@
+"""The whole benchmark suite in one command: one table of ratios measured side by side.
+
+Two workloads, both trained from the same device-resident batches with donated state:
+  tiny    MLP 64-128-10, batch 64, adam          (overhead-bound)
+  medium  MLP 784-512-512-10, batch 128, adam    (compute-bound)
+
+On each, one interleaved comparison against a hand-written `jax.jit` loop (no per-step
+sync): loopax's Loop bare, with 5 no-op `every_n_steps` hooks, and with the README's
+hooks (progress bar, TensorBoard, checkpoint every 1000 steps); Keras 3 `fit` on the JAX
+backend with `steps_per_execution` 1 and 32 (same network and optimizer, the same
+batches as device arrays). On 4 simulated CPU devices (a subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax `parallel="shard_map"` and
+`"pmap"` against a hand-written `jax.jit(jax.shard_map(step))`.
+
+Details that matter for reading the figures:
+- The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
+  hook; the row under it times the whole `run_steps` call of each round, which adds the
+  checkpoint hook's end-of-run save (it waits for it) and the TensorBoard flush: a cost
+  per run, not per step, paid here once per round.
+- Keras gets the batches as device arrays (one epoch of `steps` steps per `fit` call);
+  numpy input was slower for steps_per_execution=1 on this machine.
+- The hand-written shard_map loop waits for the step 4 back before dispatching the next,
+  like loopax: with 4 simulated devices on 2 cores, an unbounded queue of dispatched steps
+  deadlocks the all-reduce.
+- Targets (issue 6) are printed beside the figures: README hooks >= 0.95x hand-written and
+  >= 2.5x Keras fit (steps_per_execution=1) on tiny, >= 0.99x on medium; loopax shard_map
+  >= the hand-written shard_map within noise (max(± , 0.02)) on 4 devices.
+
+Every candidate of a comparison runs once per round, in an order that rotates from round
+to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
+(> 1: faster than the reference), "±" is half the interquartile range of those ratios.
+
+Run: python benchmarks/run_all.py [--quick] [--only tiny,medium,devices,keras] [--rounds N]
+Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SECTIONS = ("tiny", "medium", "devices", "keras")
+DEVICE_COUNT = 4
+
+# Steps per round: full run / --quick. Multiples of 32 so that Keras with
+# steps_per_execution=32 runs whole executions only.
+STEPS = {
+    "tiny": (2048, 512),
+    "medium": (256, 64),
+    "devices-tiny": (1024, 256),
+    "devices-medium": (128, 32),
+}
+ROUNDS = (9, 3)
+WARMUP_ROUNDS = (1, 0)  # untimed rounds first (the steps are compiled before either way)
+
+REFERENCE = "hand-written jax.jit loop"
+BARE = "loopax Loop, bare"
+NOOP = "loopax Loop + 5 no-op hooks"
+README = "loopax Loop + README hooks"
+README_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
+KERAS = "Keras fit, steps_per_execution={}"
+DEVICE_REFERENCE = "hand-written jit(shard_map) step"
+SHARD_MAP = 'loopax parallel="shard_map"'
+PMAP = 'loopax parallel="pmap"'
+
+README_HOOKS = ("progress_bar", "tensorboard", "checkpoint")
+
+
+# -- candidates ---------------------------------------------------------------------------
+
+
+def readme_hooks(directory: Path) -> tuple[Callable[[Any], None] | None, str]:
+    """The README's hooks as an `attach(loop)`, or None and why they cannot be attached."""
+    from loopax import hooks  # noqa: PLC0415
+
+    missing = [name for name in README_HOOKS if not hasattr(hooks, name)]
+    if missing:
+        return None, f"n/a (hook missing: {', '.join(missing)})"
+
+    def attach(loop: Any) -> None:
+        kwargs: dict[str, Any] = {}
+        if "file" in inspect.signature(hooks.progress_bar).parameters:
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the loop)
+        hooks.progress_bar(loop, **kwargs)
+        hooks.tensorboard(loop, str(directory / "tensorboard"))
+        hooks.checkpoint(loop, str(directory / "checkpoints"), every_n_steps=1000)
+
+    return attach, ""
+
+
+def split_end_of_run(loop_run: Callable[[], None], loop: Any) -> Callable[[], dict[str, float]]:
+    """Times `loop_run` whole and up to its first OnEnd hook (all steps done, before the
+    end-of-run checkpoint save and the other hooks' end work)."""
+    marks: list[float] = []
+    loop.on_end("benchmark: steps done", lambda loop, metrics: marks.append(time.perf_counter()),
+                priority=-(10**9))
+
+    def run() -> dict[str, float]:
+        started = time.perf_counter()
+        loop_run()
+        ended = time.perf_counter()
+        return {"": marks[-1] - started, "whole": ended - started}
+
+    return run
+
+
+def keras_fit(workload: Any, batches: list, steps: int, steps_per_execution: int):
+    """Keras 3 `fit` (JAX backend) of the same network on the same batches, one epoch of
+    `steps` steps per round. Returns the run, or None and why Keras cannot run."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    try:
+        import keras  # noqa: PLC0415
+    except ImportError:
+        return None, "n/a (keras missing: pip install -r benchmarks/requirements.txt)"
+    if keras.backend.backend() != "jax":
+        return None, f"n/a (keras was imported with the {keras.backend.backend()} backend)"
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    layers = [keras.Input((workload.dims[0],))]
+    layers += [keras.layers.Dense(width, activation="relu") for width in workload.dims[1:-1]]
+    layers += [keras.layers.Dense(workload.dims[-1])]
+    model = keras.Sequential(layers)
+    model.compile(
+        optimizer=keras.optimizers.Adam(workload.learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+        jit_compile=True,
+    )
+    order = [batches[index % len(batches)] for index in range(steps)]
+    x = jnp.concatenate([batch[1][0] for batch in order])
+    y = jnp.concatenate([batch[2][0] for batch in order])
+
+    def run() -> None:
+        # fit reads the epoch's logs back to the host at its end: the steps are done.
+        model.fit(x, y, batch_size=workload.batch_size, epochs=1, shuffle=False, verbose=0)
+
+    run()  # compile
+    return run, ""
+
+
+# -- sections -----------------------------------------------------------------------------
+
+
+def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, keras_rows: bool):
+    """One interleaved comparison on one workload; returns its table rows."""
+    import _common  # noqa: PLC0415
+
+    workload = _common.WORKLOADS[name]
+    steps = STEPS[name][args.quick]
+    batches = _common.make_batches(workload)
+    candidates: dict[str, Callable] = {REFERENCE: _common.hand_written(workload, batches, steps)}
+    unavailable: dict[str, str] = {}
+    directory = Path(tempfile.mkdtemp(prefix=f"loopax-bench-{name}-"))
+    # Registered before the checkpoint hook's own atexit wait, so it runs after it.
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    if loopax_rows:
+        candidates[BARE] = _common.loopax_loop(workload, batches, steps)
+        candidates[NOOP] = _common.loopax_loop(workload, batches, steps, attach=_common.noop_hooks(5))
+        attach, why = readme_hooks(directory)
+        if attach is None:
+            unavailable[README] = why
+        else:
+            captured: dict[str, Any] = {}
+
+            def attach_and_keep(loop: Any) -> None:
+                attach(loop)
+                captured["loop"] = loop
+
+            loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_and_keep)
+            candidates[README] = split_end_of_run(loop_run, captured["loop"])
+    if keras_rows:
+        for spe in (1, 32):
+            run, why = keras_fit(workload, batches, steps, spe)
+            if run is None:
+                unavailable[KERAS.format(spe)] = why
+            else:
+                candidates[KERAS.format(spe)] = run
+    progress(f"{name}: {workload.description}; {steps} steps x {args.rounds} rounds, "
+             f"{len(candidates)} candidates")
+    timings = _common.interleave(candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick],
+                                 on_round=round_progress(name))
+    rows = [(REFERENCE, timings.rate(REFERENCE), 1.0, 0.0)]
+    for row in (BARE, NOOP, README, README + "whole", KERAS.format(1), KERAS.format(32)):
+        label = README_WHOLE if row == README + "whole" else row
+        if row in timings.seconds:
+            rows.append((label, timings.rate(row), timings.ratio(row, REFERENCE),
+                         timings.spread(row, REFERENCE)))
+        elif row in unavailable:
+            rows.append((label, unavailable[row]))
+    versus_keras = None
+    if README in timings.seconds and KERAS.format(1) in timings.seconds:
+        versus_keras = (timings.ratio(README, KERAS.format(1)),
+                        timings.spread(README, KERAS.format(1)))
+    return {
+        "title": f"{name}: {workload.description}, {steps} steps x {args.rounds} rounds",
+        "rows": rows,
+        "readme_vs_keras": versus_keras,
+        "readme_missing": unavailable.get(README),
+    }
+
+
+def devices_worker(args: argparse.Namespace) -> None:
+    """In the 4-device subprocess: both workloads, data-parallel; prints JSON."""
+    import jax  # noqa: PLC0415
+
+    import _common  # noqa: PLC0415
+
+    devices = jax.devices()[:DEVICE_COUNT]
+    if len(devices) != DEVICE_COUNT:
+        raise SystemExit(f"expected {DEVICE_COUNT} CPU devices, got {len(jax.devices())}")
+    sharding = _common.batch_sharding(devices)
+    sections = []
+    for name in ("tiny", "medium"):
+        workload = _common.WORKLOADS[name]
+        steps = STEPS[f"devices-{name}"][args.quick]
+        batches = _common.make_batches(workload, sharding=sharding)
+        candidates = {
+            DEVICE_REFERENCE: _common.hand_written_shard_map(workload, batches, steps, devices),
+            SHARD_MAP: _common.loopax_loop(workload, batches, steps, devices=devices),
+            PMAP: _common.loopax_loop(workload, batches, steps, devices=devices, parallel="pmap"),
+        }
+        progress(f"devices/{name}: {workload.description} on {DEVICE_COUNT} CPU devices; "
+                 f"{steps} steps x {args.rounds} rounds")
+        timings = _common.interleave(candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick],
+                                     on_round=round_progress(f"devices/{name}"))
+        rows = [(row, timings.rate(row), timings.ratio(row, DEVICE_REFERENCE),
+                 timings.spread(row, DEVICE_REFERENCE)) for row in candidates]
+        rows[0] = (DEVICE_REFERENCE, rows[0][1], 1.0, 0.0)
+        sections.append({
+            "title": f"{DEVICE_COUNT} devices, {name}: {workload.description} (global batch), "
+                     f"{steps} steps x {args.rounds} rounds",
+            "rows": rows,
+        })
+    print("DEVICES-JSON " + json.dumps(sections), flush=True)
+
+
+def devices_section(args: argparse.Namespace) -> list[dict]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICE_COUNT}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, __file__, "--devices-worker", "--rounds", str(args.rounds)]
+    if args.quick:
+        command.append("--quick")
+    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    for line in result.stdout.splitlines():
+        if line.startswith("DEVICES-JSON "):
+            return json.loads(line[len("DEVICES-JSON "):])
+    why = f"n/a (the {DEVICE_COUNT}-device subprocess failed with exit code {result.returncode})"
+    return [{"title": f"{DEVICE_COUNT} devices", "rows": [(DEVICE_REFERENCE, why)]}]
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def round_progress(name: str) -> Callable[[int], None]:
+    return lambda index: progress(f"  {name}: round {index + 1} done")
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
+
+
+def mark(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+def target_of(section: str, label: str, ratio: float, spread: float) -> str:
+    """The issue's target for this row, with the measured figure's pass/fail mark."""
+    if label == README and section == "tiny":
+        return f">= 0.95  {mark(ratio >= 0.95)}"
+    if label == README and section == "medium":
+        return f">= 0.99  {mark(ratio >= 0.99)}"
+    if label == SHARD_MAP:
+        tolerance = max(spread, 0.02)
+        return f">= 1 within noise (±{tolerance:.3f})  {mark(ratio >= 1 - tolerance)}"
+    return ""
+
+
+def print_table(sections: list[tuple[str, dict]], started: float, load_before: tuple) -> None:
+    import jax  # noqa: PLC0415
+
+    print()
+    print("loopax benchmark suite")
+    print(f"date:     {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
+    print(f"machine:  {machine()}")
+    load_after = os.getloadavg()
+    print(f"load:     {load_before[0]:.2f} at start, {load_after[0]:.2f} at end "
+          "(1-minute load average; > cores means shared, noisy timings)")
+    print(f"versions: python {platform.python_version()}, jax {jax.__version__} "
+          f"({jax.default_backend()}), flax {version('flax')}, optax {version('optax')}, "
+          f"keras {version('keras')}, loopax {version('loopax')}")
+    print("ratio:    steps/s relative to the section's reference (first row), median of paired "
+          "per-round ratios, ± half their interquartile range")
+    width = 48
+    for key, section in sections:
+        print()
+        print(section["title"])
+        print(f"  {'':{width}} {'steps/s':>9}  {'ratio':>13}  target")
+        for row in section["rows"]:
+            if len(row) == 2:
+                print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
+                continue
+            label, rate, ratio, spread = row
+            ratio_text = f"{ratio:.3f} ± {spread:.3f}" if label not in (REFERENCE, DEVICE_REFERENCE) \
+                else "1 (reference)"
+            print(f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
+                  f"{target_of(key, label, ratio, spread)}")
+        if key == "tiny":
+            versus = section.get("readme_vs_keras")
+            label = "README hooks vs Keras fit, spe=1"
+            if versus is not None:
+                text = f"{versus[0]:.3f} ± {versus[1]:.3f}"
+                print(f"  {label:{width}} {'':>9}  {text:>13}  >= 2.5  {mark(versus[0] >= 2.5)}")
+            else:
+                why = section.get("readme_missing") or "n/a (needs the README and Keras rows)"
+                print(f"  {label:{width}} {'':>9}  {why}")
+    print()
+    print(f"total time: {time.perf_counter() - started:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help="comma-separated sections among tiny, medium, devices, keras "
+                             "(keras alone runs the Keras rows on both workloads)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
+    parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.quick = int(args.quick)
+    if args.rounds is None:
+        args.rounds = ROUNDS[args.quick]
+    if args.devices_worker:
+        devices_worker(args)
+        return
+    only = {part.strip() for part in args.only.split(",") if part.strip()}
+    unknown = only - set(SECTIONS)
+    if unknown or not only:
+        parser.error(f"--only takes a comma-separated subset of {', '.join(SECTIONS)}; "
+                     f"got {args.only!r}")
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    workloads = [name for name in ("tiny", "medium") if name in only]
+    loopax_rows = bool(workloads)
+    keras_rows = "keras" in only
+    if not workloads and keras_rows:
+        workloads = ["tiny", "medium"]
+    sections: list[tuple[str, dict]] = []
+    for name in workloads:
+        sections.append((name, workload_section(name, args, loopax_rows, keras_rows)))
+    if "devices" in only:
+        sections += [("devices", section) for section in devices_section(args)]
+    print_table(sections, started, load_before)
+
+
+if __name__ == "__main__":
+    main()
