@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> float:
     train = loopax.ArrayDataset(
         train_x, train_y, args.batch_size, name="train", seed=args.seed, loop_forever=True
     )
+    # Evaluation needs datasets that end: one pass, nothing dropped.
+    train_eval = loopax.ArrayDataset(
+        train_x, train_y, args.batch_size, name="train", shuffle=False, drop_remainder=False
+    )
     test = loopax.ArrayDataset(
         test_x, test_y, args.batch_size, name="test", shuffle=False, drop_remainder=False
     )
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> float:
     hooks.plot(loop, os.path.join(args.dir, "plots"), eval_datasets=[test])
     loop.run_to_step(train, args.steps)
     checkpointer.wait()
-    hooks.report_eval(trainer, train, test)
+    hooks.report_eval(trainer, train_eval, test)
     accuracy = trainer.evaluate(test)["Accuracy"]
     print(f"test accuracy: {accuracy:.3f}")
     return accuracy

@@ -443,9 +443,14 @@ class Trainer:
           `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
 
         Raises:
-          ValueError: the dataset yields no batch.
+          ValueError: the dataset yields no batch, or has `loop_forever=True`.
           RuntimeError: the dataset raised (the message names it).
         """
+        if getattr(dataset, "loop_forever", False):
+            raise ValueError(
+                f"dataset {getattr(dataset, 'name', dataset)!r} loops forever, so evaluating it "
+                "would never end; evaluate a dataset built with loop_forever=False"
+            )
         dataset.reset()
         self.reset_eval_metrics()
         in_flight = InFlight()

@@ -450,6 +450,13 @@ def test_evaluate_with_zero_batches_raises(eval_trainer):
         eval_trainer.evaluate(loopax.IterableDataset(lambda: iter([]), name="empty-set"))
 
 
+def test_evaluate_refuses_a_dataset_that_loops_forever(eval_trainer):
+    x, y = regression_batch(0)
+    endless = loopax.ArrayDataset(x, y, batch_size=4, name="endless", loop_forever=True)
+    with pytest.raises(ValueError, match="'endless' loops forever"):
+        eval_trainer.evaluate(endless)
+
+
 def test_evaluate_names_a_dataset_that_raises(eval_trainer):
     def broken():
         yield regression_batch(0)
