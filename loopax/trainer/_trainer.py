@@ -34,6 +34,8 @@ def _spec_key(spec: Any) -> Hashable:
 
 
 def _as_list(arrays: Any) -> list[Any]:
+    if type(arrays) is list:
+        return arrays
     if arrays is None:
         return []
     if isinstance(arrays, (list, tuple)):
