@@ -260,13 +260,26 @@ def make_parallel(
     the new state keeps, while the replicated `values` come back without it.
     """
     if parallel == "pmap":
-        return jax.pmap(
+        num_devices = device_count_of(mesh)
+        pmapped = jax.pmap(
             body,
             axis_name=AXIS,
             devices=list(mesh.devices.flat),
             out_axes=(0, None),
             donate_argnums=donate,
         )
+
+        def split_batch_then_pmap(*args):
+            # The batch gets its leading device axis inside the compiled program: an
+            # eager reshape per step would cost more than a small step.
+            state, batch = args[:num_replicated], args[num_replicated:]
+            batch = jax.tree.map(
+                lambda a: a.reshape((num_devices, a.shape[0] // num_devices, *a.shape[1:])),
+                batch,
+            )
+            return pmapped(*state, *batch)
+
+        return jax.jit(split_batch_then_pmap, donate_argnums=donate)
     in_specs = (P(),) * num_replicated + (P(AXIS),) * num_sharded
     # One device skips the collectives that mark values replicated, so skips the check.
     check_vma = device_count_of(mesh) > 1

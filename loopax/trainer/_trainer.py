@@ -297,20 +297,11 @@ class Trainer:
     # -- compilation ----------------------------------------------------------------------
 
     def _to_global(self, arrays: list[Any]) -> list[Any]:
-        """Process-local batch arrays -> what the compiled step takes.
-
-        Multi-process: global arrays assembled from each process's share. pmap: a leading
-        device axis. Otherwise the arrays as they are (jit places them).
-        """
-        if self._multi_process:
-            return [
-                jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
-                for a in arrays
-            ]
-        if self.parallel == "pmap":
-            n = self.num_devices
-            return [a.reshape((n, a.shape[0] // n, *a.shape[1:])) for a in arrays]
-        return arrays
+        """Multi-process: global arrays assembled from each process's local share."""
+        return [
+            jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
+            for a in arrays
+        ]
 
     def _validate_batch(self, graph: str, spec: Any, key_spec: Hashable, inputs, labels) -> None:
         if not inputs:
@@ -350,8 +341,9 @@ class Trainer:
         if self._state is None:
             self._initialize(spec, inputs)
         started = time.perf_counter()
-        global_inputs = self._to_global(inputs)
-        global_labels = self._to_global(labels)
+        global_inputs, global_labels = inputs, labels
+        if self._multi_process:
+            global_inputs, global_labels = self._to_global(inputs), self._to_global(labels)
         if graph == "train":
             body = functools.partial(self._steps.train, spec)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
@@ -409,7 +401,7 @@ class Trainer:
         inputs = _as_list(inputs)
         labels = _as_list(labels)
         executor = self._executor("train", spec, inputs, labels)
-        if self._multi_process or self.parallel == "pmap":
+        if self._multi_process:
             inputs, labels = self._to_global(inputs), self._to_global(labels)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
@@ -431,7 +423,7 @@ class Trainer:
         executor = self._executor("eval", spec, inputs, labels)
         if self._eval_states is None:
             self._eval_states = self._fresh_eval_states()
-        if self._multi_process or self.parallel == "pmap":
+        if self._multi_process:
             inputs, labels = self._to_global(inputs), self._to_global(labels)
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
         return dict(zip(self.eval_metric_names, values))
