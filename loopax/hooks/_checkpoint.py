@@ -14,10 +14,10 @@ when the hook is attached, before the run starts. No pickle is used anywhere.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import logging
 import math
-import numbers
 import os
 import shutil
 import threading
@@ -39,44 +39,13 @@ from ._checkpoint_format import VERSION as _VERSION
 from ._checkpoint_format import check_directory as _check_directory
 from ._checkpoint_format import from_plain as _from_plain
 from ._checkpoint_format import to_plain as _to_plain
+from ._checkpoint_checks import check_best_metric as _check_best_metric
+from ._checkpoint_checks import check_count as _check_count
 from ._triggers import every_n_steps as _every_n_steps
 from ._triggers import periodic_callback as _periodic_callback
 
 
 _logger = logging.getLogger(__name__)
-
-
-# -- argument checks ------------------------------------------------------------------------
-
-
-def _check_count(argument: str, value: Any, *, allow_none: bool) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be a positive int{' or None' if allow_none else ''}, "
-                         f"got {argument}={value!r}")
-    return int(value)
-
-
-def _check_best_metric(best_metric: str | None, best_mode: str, trainer: Any) -> None:
-    if best_mode not in ("min", "max"):
-        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    if best_metric is None:
-        return
-    parts = best_metric.split("/") if isinstance(best_metric, str) else []
-    if parts[:1] == ["train"] and len(parts) == 2:
-        if parts[1] not in trainer.train_metric_names:
-            raise ValueError(
-                f"best_metric {best_metric!r} names no train metric; the trainer's are "
-                f"{list(trainer.train_metric_names)}"
-            )
-        return
-    if parts[:1] == ["eval"] and len(parts) == 3 and all(parts):
-        return
-    raise ValueError(
-        f"best_metric must be 'train/<metric>' (e.g. 'train/loss') or "
-        f"'eval/<dataset>/<metric>' (e.g. 'eval/test/mean_loss'), got {best_metric!r}"
-    )
 
 
 def _wait_at_exit(wait: Callable[[], None]) -> None:
@@ -139,6 +108,14 @@ class Checkpointer:
         self._pending_where = ""
         self._dataset: Any = None
         self._last_saved_step: int | None = None
+        # Orbax's "async" save still blocks its caller for tens of milliseconds (threads,
+        # directories, metadata) whatever the state's size; one worker thread of ours makes
+        # that call, so the loop blocks only for the copy of the state off the device.
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="loopax-checkpoint"
+        )
+        self._writes: list[concurrent.futures.Future] = []
+        self._async_save = bool(async_save)
 
         preserve = [policies.LatestN(self.keep)]
         if best_metric is not None:
@@ -152,7 +129,8 @@ class Checkpointer:
             preserve.append(policies.EveryNSteps(interval_steps=self.keep_period))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(preserve),
-            enable_async_checkpointing=async_save,
+            # Our writer thread makes the whole save, so Orbax itself saves synchronously.
+            enable_async_checkpointing=False,
             # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
             cleanup_tmp_directories=True,
             create=True,
@@ -179,11 +157,30 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def wait(self) -> None:
-        """Blocks until every asynchronous save is written and committed."""
+        """Blocks until every asynchronous save is written and committed.
+
+        Raises:
+          RuntimeError: a background save failed (the original error is chained).
+        """
+        self._wait_for_writes()
         self._manager.wait_until_finished()
+
+    def _wait_for_writes(self) -> None:
+        """Blocks until the background saves are committed; raises if one failed."""
+        writes, self._writes = self._writes, []
+        for write in writes:
+            try:
+                write.result()
+            except Exception as err:
+                raise RuntimeError(
+                    f"saving a checkpoint to {str(self.directory)!r} failed: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
 
     def close(self) -> None:
         """Waits for in-flight saves and releases Orbax's resources."""
+        self.wait()
+        self._writer.shutdown(wait=True)
         self._manager.close()
 
     # -- saving -------------------------------------------------------------------------------
@@ -269,18 +266,34 @@ class Checkpointer:
             return None
         self.loop._check_finite()
         best_value = self._best_value(self.loop._metrics if metrics is None else metrics)
+        # A real host copy: the next train step donates (reuses) the device buffers, and on
+        # CPU `device_get` may return a view of them rather than a copy.
+        host_state = jax.tree.map(np.array, _to_plain(state))
+        bundle = self._bundle(step, best_value)
+        # One save in flight at a time: memory holds at most one extra copy of the state,
+        # and a save is committed before the next one starts.
+        self._wait_for_writes()
+        if self._async_save:
+            self._writes.append(
+                self._writer.submit(self._write, step, host_state, bundle, best_value)
+            )
+        else:
+            self._write(step, host_state, bundle, best_value)
+        self._last_saved_step = step
+        return step
+
+    def _write(self, step: int, host_state: dict, bundle: dict, best_value: float | None) -> None:
         ocp = self._ocp
         self._manager.save(
             step,
             args=ocp.args.Composite(**{
-                _STATE_ITEM: ocp.args.StandardSave(_to_plain(state)),
-                _BUNDLE_ITEM: ocp.args.JsonSave(self._bundle(step, best_value)),
+                _STATE_ITEM: ocp.args.StandardSave(host_state),
+                _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
             }),
             metrics=None if best_value is None else {self.best_metric: best_value},
             force=True,
         )
-        self._last_saved_step = step
-        return step
+        self._manager.wait_until_finished()
 
     # -- restoring ----------------------------------------------------------------------------
 
