@@ -1,0 +1,65 @@
+"""The README's code that users copy: the custom metric runs as written, on 1 and 4 devices."""
+
+import re
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import loopax
+from loopax import losses, optimizers
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_block(marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    matching = [block for block in blocks if marker in block]
+    assert len(matching) == 1, f"expected one README python block with {marker!r}"
+    return matching[0]
+
+
+@pytest.fixture(scope="module")
+def readme_metric_class():
+    source = _readme_block("class MeanAbsoluteError(Metric)")
+    # The block ends by passing the metric to a Trainer of the user's model: run the class part.
+    namespace: dict = {}
+    exec(source.split("trainer = ")[0], namespace)  # noqa: S102 (our own README)
+    return namespace["MeanAbsoluteError"]
+
+
+def _train_and_evaluate(metric_class, devices):
+    def model_fn(ctx, spec, inputs):
+        return nn.Dense(1)(nn.tanh(nn.Dense(8)(inputs[0])))
+
+    trainer = loopax.Trainer(
+        model_fn, losses.mean_squared_error, optimizers.sgd(0.05),
+        train_metrics=[metric_class()], eval_metrics=[metric_class()], devices=devices,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 3)).astype(np.float32)
+    y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
+    train = loopax.ArrayDataset(x, y, 16, loop_forever=True)
+    metrics = loopax.Loop(trainer).run_steps(train, 12)
+    evaluation = trainer.evaluate(loopax.ArrayDataset(x, y, 24, shuffle=False, name="eval"))
+    return float(metrics["Mean Absolute Error"]), evaluation
+
+
+def test_readme_metric_gives_the_same_result_on_one_and_four_devices(readme_metric_class):
+    assert len(jax.devices()) >= 4
+    train_one, eval_one = _train_and_evaluate(readme_metric_class, jax.devices()[:1])
+    train_four, eval_four = _train_and_evaluate(readme_metric_class, jax.devices()[:4])
+    assert train_one > 0
+    np.testing.assert_allclose(train_four, train_one, rtol=1e-5)
+    assert list(eval_four) == ["mean_loss", "Mean Absolute Error"]
+    for name in eval_one:
+        np.testing.assert_allclose(eval_four[name], eval_one[name], rtol=1e-5)
+
+
+def test_readme_metric_matches_numpy(readme_metric_class):
+    metric = readme_metric_class()
+    labels, predictions = np.array([1.0, 2.0, 4.0]), np.array([1.5, 2.0, 2.0])
+    state = metric.accumulate(metric.init(), metric.update([labels], [predictions]))
+    assert float(metric.compute(state)) == pytest.approx(np.abs(labels - predictions).mean())
