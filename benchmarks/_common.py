@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -312,3 +315,46 @@ def interleave(
         if on_round is not None and round_index >= 0:
             on_round(round_index)
     return Timings(steps, seconds)
+
+
+README_HOOKS = ("progress_bar", "tensorboard", "checkpoint")
+
+
+def readme_hooks(
+    directory: Path, **checkpoint_kwargs: Any
+) -> tuple[Callable[[Any], None] | None, str]:
+    """The README's hooks as an `attach(loop)`, or None and why they cannot be attached.
+
+    The README saves checkpoints every `period_seconds=60`; `checkpoint_kwargs` overrides
+    that (the frequent-saves row saves every 1000 steps, several times a second here).
+    """
+    checkpoint_kwargs = checkpoint_kwargs or {"period_seconds": 60}
+    missing = [name for name in README_HOOKS if not hasattr(hooks, name)]
+    if missing:
+        return None, f"n/a (hook missing: {', '.join(missing)})"
+
+    def attach(loop: Any) -> None:
+        kwargs: dict[str, Any] = {}
+        if "file" in inspect.signature(hooks.progress_bar).parameters:
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the loop)
+        hooks.progress_bar(loop, **kwargs)
+        hooks.tensorboard(loop, str(directory / "tensorboard"))
+        hooks.checkpoint(loop, str(directory / "checkpoints"), **checkpoint_kwargs)
+
+    return attach, ""
+
+
+def split_end_of_run(loop_run: Callable[[], None], loop: Any) -> Callable[[], dict[str, float]]:
+    """Times `loop_run` whole and up to its first OnEnd hook (all steps done, before the
+    end-of-run checkpoint save and the other hooks' end work)."""
+    marks: list[float] = []
+    loop.on_end("benchmark: steps done", lambda loop, metrics: marks.append(time.perf_counter()),
+                priority=-(10**9))
+
+    def run() -> dict[str, float]:
+        started = time.perf_counter()
+        loop_run()
+        ended = time.perf_counter()
+        return {"": marks[-1] - started, "whole": ended - started}
+
+    return run

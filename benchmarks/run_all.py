@@ -41,7 +41,6 @@ import atexit
 import contextlib
 import datetime
 import importlib.metadata
-import inspect
 import json
 import os
 import platform
@@ -78,52 +77,9 @@ DEVICE_REFERENCE = "hand-written jit(shard_map) step"
 SHARD_MAP = 'loopax parallel="shard_map"'
 PMAP = 'loopax parallel="pmap"'
 
-README_HOOKS = ("progress_bar", "tensorboard", "checkpoint")
 
 
 # -- candidates ---------------------------------------------------------------------------
-
-
-def readme_hooks(
-    directory: Path, **checkpoint_kwargs: Any
-) -> tuple[Callable[[Any], None] | None, str]:
-    """The README's hooks as an `attach(loop)`, or None and why they cannot be attached.
-
-    The README saves checkpoints every `period_seconds=60`; `checkpoint_kwargs` overrides
-    that (the frequent-saves row saves every 1000 steps, several times a second here).
-    """
-    checkpoint_kwargs = checkpoint_kwargs or {"period_seconds": 60}
-    from loopax import hooks  # noqa: PLC0415
-
-    missing = [name for name in README_HOOKS if not hasattr(hooks, name)]
-    if missing:
-        return None, f"n/a (hook missing: {', '.join(missing)})"
-
-    def attach(loop: Any) -> None:
-        kwargs: dict[str, Any] = {}
-        if "file" in inspect.signature(hooks.progress_bar).parameters:
-            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the loop)
-        hooks.progress_bar(loop, **kwargs)
-        hooks.tensorboard(loop, str(directory / "tensorboard"))
-        hooks.checkpoint(loop, str(directory / "checkpoints"), **checkpoint_kwargs)
-
-    return attach, ""
-
-
-def split_end_of_run(loop_run: Callable[[], None], loop: Any) -> Callable[[], dict[str, float]]:
-    """Times `loop_run` whole and up to its first OnEnd hook (all steps done, before the
-    end-of-run checkpoint save and the other hooks' end work)."""
-    marks: list[float] = []
-    loop.on_end("benchmark: steps done", lambda loop, metrics: marks.append(time.perf_counter()),
-                priority=-(10**9))
-
-    def run() -> dict[str, float]:
-        started = time.perf_counter()
-        loop_run()
-        ended = time.perf_counter()
-        return {"": marks[-1] - started, "whole": ended - started}
-
-    return run
 
 
 def keras_fit(workload: Any, batches: list, steps: int, steps_per_execution: int):
@@ -179,7 +135,7 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
         candidates[BARE] = _common.loopax_loop(workload, batches, steps)
         candidates[NOOP] = _common.loopax_loop(workload, batches, steps, attach=_common.noop_hooks(5))
         for row, kwargs in ((README, {}), (FREQUENT_SAVES, {"every_n_steps": 1000})):
-            attach, why = readme_hooks(directory / row.split()[-1], **kwargs)
+            attach, why = _common.readme_hooks(directory / row.split()[-1], **kwargs)
             if attach is None:
                 unavailable[row] = why
                 continue
@@ -190,7 +146,7 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                 captured["loop"] = loop
 
             loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_and_keep)
-            candidates[row] = split_end_of_run(loop_run, captured["loop"])
+            candidates[row] = _common.split_end_of_run(loop_run, captured["loop"])
     if keras_rows:
         for spe in (1, 32):
             run, why = keras_fit(workload, batches, steps, spe)

@@ -9,6 +9,7 @@ host sync every 1000 steps, not every step. They register in `loop._triggers` an
 
 from __future__ import annotations
 
+import abc
 import numbers
 import time
 from typing import Any, Callable
@@ -26,7 +27,7 @@ def _check_hook_args(name: object, fn: object) -> None:
         raise TypeError(f"fn for hook {name!r} must be callable as fn(loop, metrics), got {fn!r}")
 
 
-class _Trigger:
+class _Trigger(abc.ABC):
     """Base of the trigger objects: the OnStep hook callable itself.
 
     Subclasses implement `_should_fire(loop, first_step_of_run)`; calling the object as `obj(loop, metrics)` runs
@@ -71,8 +72,9 @@ class _Trigger:
     def _start_run(self, loop: Any) -> None:
         """Called on the first OnStep of every run, before `_should_fire`."""
 
+    @abc.abstractmethod
     def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
-        raise NotImplementedError
+        """Whether to call `fn` at the current step (may advance the schedule)."""
 
     def _fire_on_end(self, loop: Any, metrics: Any) -> Any:
         return self._fire(loop, metrics)
@@ -113,6 +115,9 @@ class EveryNStepsTrigger(_Trigger):
         if self.schedule.should_fire(loop.loop_step):
             return self._fire(loop, metrics)
         return None
+
+    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
+        return self.schedule.should_fire(loop.loop_step)
 
 
 class NTimesTrigger(_Trigger):
