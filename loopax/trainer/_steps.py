@@ -148,7 +148,7 @@ class StepBuilder:
             total = total + added_loss
         return total
 
-    def _apply(self, state: TrainState, params, spec, inputs, training: bool):
+    def _apply(self, state: TrainState, params, spec, rng, inputs, training: bool):
         variables = {"params": params, **state.model_state}
         mutable = list(state.model_state.keys())
         (predictions, added_loss), new_model_state = self.module.apply(
@@ -156,7 +156,7 @@ class StepBuilder:
             spec,
             inputs,
             training,
-            rngs=self._rngs(state.rng, state.step),
+            rngs=self._rngs(rng, state.step),
             mutable=mutable,
         )
         return predictions, added_loss, new_model_state
@@ -180,12 +180,16 @@ class StepBuilder:
         )
         return dict(variables)
 
-    def train(self, spec, state: TrainState, inputs, labels):
-        """Per-device: one optimizer step on this device's shard of the global batch."""
+    def train(self, spec, rng, state: TrainState, inputs, labels):
+        """Per-device: one optimizer step on this device's shard of the global batch.
+
+        `rng` is the trainer's base key, compiled in as a constant; `state.rng` is None
+        here (see `Trainer._state`).
+        """
 
         def loss_of(params):
             predictions, added_loss, new_model_state = self._apply(
-                state, params, spec, inputs, training=True
+                state, params, spec, rng, inputs, training=True
             )
             local_loss = self._loss(labels, predictions, added_loss)
             if self.parallel == "shard_map":
@@ -226,9 +230,9 @@ class StepBuilder:
         )
         return new_state, values
 
-    def eval(self, spec, state: TrainState, metric_states, inputs, labels):
+    def eval(self, spec, rng, state: TrainState, metric_states, inputs, labels):
         """Per-device: updates the running eval metrics with this device's shard."""
-        predictions, added_loss, _ = self._apply(state, state.params, spec, inputs, False)
+        predictions, added_loss, _ = self._apply(state, state.params, spec, rng, inputs, False)
         local_loss = self._loss(labels, predictions, added_loss)
         weight = batch_weight(predictions)
         loss_partial = self.collectives.merge(self.mean_loss.merge, (local_loss * weight, weight))

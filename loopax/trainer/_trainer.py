@@ -169,7 +169,9 @@ class Trainer:
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         self._state_initializers: list[Callable[[TrainState], TrainState]] = []
+        # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).
         self._state: TrainState | None = None
+        self._rng: jax.Array | None = None
         self._eval_states: tuple | None = None
         self._global_step = 0
 
@@ -188,9 +190,12 @@ class Trainer:
     @property
     def state(self) -> TrainState | None:
         """The whole train state without a device axis, or None before the first step."""
-        if self._state is None or self.parallel == "shard_map":
-            return self._state
-        return jax.tree.map(lambda leaf: leaf[0], self._state)
+        if self._state is None:
+            return None
+        state = self._state
+        if self.parallel == "pmap":
+            state = jax.tree.map(lambda leaf: leaf[0], state)
+        return state.replace(rng=self._rng)
 
     @state.setter
     def state(self, state: TrainState) -> None:
@@ -203,7 +208,18 @@ class Trainer:
                     "the new train state's structure differs from the trainer's: "
                     f"{jax.tree.structure(state)} vs {expected}"
                 )
-        self._state = self._place_state(state)
+        self._adopt(state)
+
+    def _adopt(self, state: TrainState) -> None:
+        """Places `state` on the devices; its RNG key becomes the compiled-in constant."""
+        rng = np.asarray(jax.device_get(state.rng), dtype=np.uint32)
+        if self._rng is not None and not np.array_equal(rng, np.asarray(self._rng)):
+            self._cache.clear()  # the steps were compiled with the old key
+        self._rng = jnp.asarray(rng)
+        # The key never changes during training, so the compiled steps hold it as a
+        # constant instead of passing it in and out: each state leaf costs the runtime a
+        # few microseconds per step.
+        self._state = self._place_state(jax.device_get(state.replace(rng=None)))
         self._global_step = int(np.asarray(jax.device_get(state.step)))
 
     @property
@@ -291,8 +307,7 @@ class Trainer:
         )
         for initializer_fn in self._state_initializers:
             state = initializer_fn(state)
-        self._state = self._place_state(jax.device_get(state))
-        self._global_step = int(np.asarray(jax.device_get(state.step)))
+        self._adopt(state)
 
     # -- compilation ----------------------------------------------------------------------
 
@@ -345,11 +360,11 @@ class Trainer:
         if self._multi_process:
             global_inputs, global_labels = self._to_global(inputs), self._to_global(labels)
         if graph == "train":
-            body = functools.partial(self._steps.train, spec)
+            body = functools.partial(self._steps.train, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
             compiled = step.lower(self._state, global_inputs, global_labels).compile()
         else:
-            body = functools.partial(self._steps.eval, spec)
+            body = functools.partial(self._steps.eval, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 2, 2, donate=(1,))
             compiled = step.lower(
                 self._state, self._fresh_eval_states(), global_inputs, global_labels

@@ -559,3 +559,31 @@ def test_the_same_metric_name_may_be_used_in_train_and_eval(eval_trainer):
     x, y = regression_batch(0)
     assert "mae" in eval_trainer.train_step(None, [x], [y])
     assert "mae" in eval_trainer.eval_step(None, [x], [y])
+
+
+def test_a_state_with_another_rng_key_recompiles_and_uses_it():
+    def dropout_model(ctx, spec, inputs):
+        return nn.Dense(1)(nn.Dropout(0.5, deterministic=not ctx.training)(inputs[0]))
+
+    x, y = regression_batch(3)
+    seeded_zero = make_trainer(model_fn=dropout_model, seed=0)
+    seeded_one = make_trainer(model_fn=dropout_model, seed=1)
+    seeded_zero.train_step(None, [x], [y])
+    seeded_one.train_step(None, [x], [y])
+    compiled = []
+    seeded_one.on_exec_creation(compiled.append)
+
+    # Same params and step, but seed 0's key: the next step must draw seed 0's dropout.
+    seeded_one.state = jax.device_get(seeded_zero.state)
+    np.testing.assert_array_equal(seeded_one.state.rng, seeded_zero.state.rng)
+    seeded_zero.train_step(None, [x], [y])
+    seeded_one.train_step(None, [x], [y])
+    assert len(compiled) == 1  # the key is compiled into the step
+    for want, got in zip(jax.tree.leaves(jax.device_get(seeded_zero.params)),
+                         jax.tree.leaves(jax.device_get(seeded_one.params))):
+        np.testing.assert_array_equal(want, got)
+
+    # Setting a state with the same key does not recompile.
+    seeded_one.state = jax.device_get(seeded_one.state)
+    seeded_one.train_step(None, [x], [y])
+    assert len(compiled) == 1
