@@ -13,14 +13,11 @@ when the hook is attached, before the run starts. No pickle is used anywhere.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
 import json
 import logging
 import math
 import os
 import shutil
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -41,28 +38,12 @@ from ._checkpoint_format import from_plain as _from_plain
 from ._checkpoint_format import to_plain as _to_plain
 from ._checkpoint_checks import check_best_metric as _check_best_metric
 from ._checkpoint_checks import check_count as _check_count
+from ._checkpoint_writer import BackgroundWriter, wait_at_exit
 from ._triggers import every_n_steps as _every_n_steps
 from ._triggers import periodic_callback as _periodic_callback
 
 
 _logger = logging.getLogger(__name__)
-
-
-def _wait_at_exit(wait: Callable[[], None]) -> None:
-    """Runs `wait` at interpreter exit, early enough for Orbax's threads to finish the save.
-
-    Plain `atexit` handlers run after `concurrent.futures` has refused new work, which makes
-    an in-flight Orbax save fail; `threading._register_atexit` callbacks run before that
-    (last registered first), which is where `concurrent.futures` registers its own.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        atexit.register(wait)
-        return
-    try:
-        register(wait)
-    except RuntimeError:  # the interpreter is already shutting down
-        pass
 
 
 # -- the hook -------------------------------------------------------------------------------
@@ -108,14 +89,7 @@ class Checkpointer:
         self._pending_where = ""
         self._dataset: Any = None
         self._last_saved_step: int | None = None
-        # Orbax's "async" save still blocks its caller for tens of milliseconds (threads,
-        # directories, metadata) whatever the state's size; one worker thread of ours makes
-        # that call, so the loop blocks only for the copy of the state off the device.
-        self._writer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="loopax-checkpoint"
-        )
-        self._writes: list[concurrent.futures.Future] = []
-        self._async_save = bool(async_save)
+        self._writer = BackgroundWriter(str(self.directory), in_background=async_save)
 
         preserve = [policies.LatestN(self.keep)]
         if best_metric is not None:
@@ -143,7 +117,7 @@ class Checkpointer:
                 _BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
             },
         )
-        _wait_at_exit(self.wait)
+        wait_at_exit(self.wait)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -162,25 +136,13 @@ class Checkpointer:
         Raises:
           RuntimeError: a background save failed (the original error is chained).
         """
-        self._wait_for_writes()
+        self._writer.wait()
         self._manager.wait_until_finished()
-
-    def _wait_for_writes(self) -> None:
-        """Blocks until the background saves are committed; raises if one failed."""
-        writes, self._writes = self._writes, []
-        for write in writes:
-            try:
-                write.result()
-            except Exception as err:
-                raise RuntimeError(
-                    f"saving a checkpoint to {str(self.directory)!r} failed: "
-                    f"{type(err).__name__}: {err}"
-                ) from err
 
     def close(self) -> None:
         """Waits for in-flight saves and releases Orbax's resources."""
         self.wait()
-        self._writer.shutdown(wait=True)
+        self._writer.close()
         self._manager.close()
 
     # -- saving -------------------------------------------------------------------------------
@@ -270,15 +232,7 @@ class Checkpointer:
         # CPU `device_get` may return a view of them rather than a copy.
         host_state = jax.tree.map(np.array, _to_plain(state))
         bundle = self._bundle(step, best_value)
-        # One save in flight at a time: memory holds at most one extra copy of the state,
-        # and a save is committed before the next one starts.
-        self._wait_for_writes()
-        if self._async_save:
-            self._writes.append(
-                self._writer.submit(self._write, step, host_state, bundle, best_value)
-            )
-        else:
-            self._write(step, host_state, bundle, best_value)
+        self._writer.submit(self._write, step, host_state, bundle, best_value)
         self._last_saved_step = step
         return step
 
