@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
