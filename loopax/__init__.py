@@ -19,6 +19,7 @@ from .trainer import NonFiniteLossError as NonFiniteLossError
 from .trainer import Priority as Priority
 from .trainer import TrainState as TrainState
 from .trainer import Trainer as Trainer
+from .trainer import __all__ as _TRAINER_NAMES
 
 __version__ = "0.1.0"
 
@@ -33,21 +34,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'loopax' has no attribute {name!r}")
 
 
-__all__ = sorted([
-    "ArrayDataset",
-    "Context",
-    "Dataset",
-    "ExecInfo",
-    "Executor",
-    "HookError",
-    "IterableDataset",
-    "Loop",
-    "NonFiniteLossError",
-    "Priority",
-    "TrainState",
-    "Trainer",
-    "hooks",
-    "losses",
-    "metrics",
-    "optimizers",
-])
+__all__ = sorted([*_TRAINER_NAMES, *_SUBPACKAGES])

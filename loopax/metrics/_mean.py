@@ -74,7 +74,8 @@ def mean_of(state: MeanState) -> jax.Array:
     return jnp.where(has_weight, state.total / jnp.where(has_weight, state.weight, 1.0), 0.0)
 
 
-def _batch_size(predictions: Sequence[jax.Array]) -> int:
+def batch_size_of(predictions: Sequence[jax.Array]) -> int:
+    """How many examples a batch counts for: the first dim of predictions[0] (1 if scalar)."""
     if len(predictions) == 0:
         raise ValueError("metrics need at least one prediction; got an empty predictions list")
     first = jnp.shape(predictions[0])
@@ -93,7 +94,7 @@ def _mean_partial(name: str, fn: MetricFn, labels, predictions) -> MeanState:
     value = value.astype(jnp.float32)  # bfloat16/float16 sums lose too much precision
     if value.ndim == 0:
         # A scalar is taken as the batch mean, so it counts once per example.
-        batch_size = _batch_size(predictions)
+        batch_size = batch_size_of(predictions)
         if batch_size == 0:  # the mean of nothing is NaN; an empty shard adds nothing
             return zero_mean_state()
         weight = jnp.asarray(batch_size, jnp.float32)

@@ -234,7 +234,7 @@ class IterableDataset:
                 "be a tuple (inputs, labels) or (spec, inputs, labels)"
             )
         spec, inputs, labels = (None, *item) if len(item) == 2 else item
-        return spec, _as_list(inputs), _as_list(labels)
+        return spec, as_list(inputs), as_list(labels)
 
     def reset(self) -> None:
         """Starts over with a fresh iterator from `make_iterator()`."""
@@ -244,7 +244,10 @@ class IterableDataset:
         return f"IterableDataset(name={self.name!r})"
 
 
-def _as_list(arrays: Any) -> list[Any]:
+def as_list(arrays: Any) -> list[Any]:
+    """One array, a sequence of arrays, or None -> a list (a list is returned as is)."""
+    if type(arrays) is list:
+        return arrays
     if arrays is None:
         return []
     if isinstance(arrays, (list, tuple)):

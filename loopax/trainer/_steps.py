@@ -10,6 +10,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..metrics._mean import (
+    MeanState,
+    add_mean_states,
+    batch_size_of,
+    mean_of,
+    zero_mean_state,
+)
 from ._context import ModelModule
 from ._state import TrainState
 
@@ -38,27 +45,6 @@ class LossMovingAverage:
 
     def compute(self, state):
         return state[0]
-
-
-class MeanLoss:
-    """The built-in eval `mean_loss`: the example-weighted mean of the batch losses."""
-
-    def init(self):
-        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-
-    def merge(self, a, b):
-        return (a[0] + b[0], a[1] + b[1])
-
-    accumulate = merge
-
-    def compute(self, state):
-        return state[0] / jnp.maximum(state[1], 1.0)
-
-
-def batch_weight(predictions: Sequence[jax.Array]) -> jax.Array:
-    """The number of examples a batch counts for: the first dim of predictions[0]."""
-    first = predictions[0]
-    return jnp.asarray(first.shape[0] if jnp.ndim(first) > 0 else 1, jnp.float32)
 
 
 class Collectives:
@@ -124,7 +110,14 @@ class StepBuilder:
         self.collectives = Collectives(num_devices)
         self.parallel = parallel
         self.loss_average = LossMovingAverage()
-        self.mean_loss = MeanLoss()
+
+    def fresh_train_metrics(self) -> tuple:
+        """The train metric states before any step: the loss average, then the user's."""
+        return (self.loss_average.init(), *(m.init() for m in self.train_metrics))
+
+    def fresh_eval_metrics(self) -> tuple:
+        """The eval metric states before any batch: the mean loss, then the user's."""
+        return (zero_mean_state(), *(m.init() for m in self.eval_metrics))
 
     # -- pieces shared by train and eval ------------------------------------------------
 
@@ -233,14 +226,15 @@ class StepBuilder:
         """Per-device: updates the running eval metrics with this device's shard."""
         predictions, added_loss, _ = self._apply(state, state.params, spec, rng, inputs, False)
         local_loss = self._loss(labels, predictions, added_loss)
-        weight = batch_weight(predictions)
-        loss_partial = self.collectives.merge(self.mean_loss.merge, (local_loss * weight, weight))
-        loss_state = self.mean_loss.accumulate(metric_states[0], loss_partial)
+        # The example-weighted mean of the batch losses, as `metrics.Mean` keeps it.
+        weight = jnp.asarray(batch_size_of(predictions), jnp.float32)
+        loss_partial = self.collectives.merge(add_mean_states, MeanState(local_loss * weight, weight))
+        loss_state = add_mean_states(metric_states[0], loss_partial)
         user_states = self._update_metrics(
             self.eval_metrics, metric_states[1:], labels, predictions
         )
         values = (
-            self.mean_loss.compute(loss_state),
+            mean_of(loss_state),
             *(m.compute(s) for m, s in zip(self.eval_metrics, user_states)),
         )
         return (loss_state, *user_states), values

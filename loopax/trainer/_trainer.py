@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _steps
 from ._context import ModelFn, ModelModule
-from ._datasets import Dataset
+from ._datasets import Dataset, as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._inflight import InFlight
 from ._state import TrainState
@@ -31,16 +31,6 @@ def _spec_key(spec: Any) -> Hashable:
     except TypeError:
         return ("loopax:repr", repr(spec))
     return spec
-
-
-def _as_list(arrays: Any) -> list[Any]:
-    if type(arrays) is list:
-        return arrays
-    if arrays is None:
-        return []
-    if isinstance(arrays, (list, tuple)):
-        return list(arrays)
-    return [arrays]
 
 
 def _signature(arrays: list[Any], what: str, spec: Any) -> tuple:
@@ -183,11 +173,6 @@ class Trainer:
         return self._global_step
 
     @property
-    def initialized(self) -> bool:
-        """Whether the variables exist (they are created from the first batch)."""
-        return self._state is not None
-
-    @property
     def state(self) -> TrainState | None:
         """The whole train state without a device axis, or None before the first step."""
         if self._state is None:
@@ -279,7 +264,7 @@ class Trainer:
         """Resets every train metric, the loss's moving average included."""
         if self._state is None:
             return
-        fresh = (self._steps.loss_average.init(), *(m.init() for m in self.train_metrics))
+        fresh = self._steps.fresh_train_metrics()
         placed = self._place_state(fresh)
         self._state = self._state.replace(train_metrics=placed)
 
@@ -303,7 +288,7 @@ class Trainer:
             opt_state=self.optimizer.init(params),
             model_state=variables,
             rng=rng,
-            train_metrics=(self._steps.loss_average.init(), *(m.init() for m in self.train_metrics)),
+            train_metrics=self._steps.fresh_train_metrics(),
         )
         for initializer_fn in self._state_initializers:
             state = initializer_fn(state)
@@ -413,8 +398,8 @@ class Trainer:
           ValueError: no inputs, mismatched batch sizes, a batch not divisible by the
             device count, or the spec used before with another number of inputs/labels.
         """
-        inputs = _as_list(inputs)
-        labels = _as_list(labels)
+        inputs = as_list(inputs)
+        labels = as_list(labels)
         executor = self._executor("train", spec, inputs, labels)
         if self._multi_process:
             inputs, labels = self._to_global(inputs), self._to_global(labels)
@@ -423,7 +408,7 @@ class Trainer:
         return dict(zip(self.train_metric_names, values))
 
     def _fresh_eval_states(self) -> Any:
-        fresh = (self._steps.mean_loss.init(), *(m.init() for m in self.eval_metrics))
+        fresh = self._steps.fresh_eval_metrics()
         return self._place_state(fresh)
 
     def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
@@ -433,8 +418,8 @@ class Trainer:
           The running values `{"mean_loss": ..., <eval metric name>: ...}` over every
           batch since the last `reset_eval_metrics()` (or `evaluate`).
         """
-        inputs = _as_list(inputs)
-        labels = _as_list(labels)
+        inputs = as_list(inputs)
+        labels = as_list(labels)
         executor = self._executor("eval", spec, inputs, labels)
         if self._eval_states is None:
             self._eval_states = self._fresh_eval_states()
