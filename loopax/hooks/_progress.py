@@ -185,7 +185,8 @@ class ProgressBar:
         if display:
             bar.refresh()
 
-    def on_step(self, loop: Any, metrics: Any) -> None:
+    def __call__(self, loop: Any, metrics: Any) -> None:
+        """The OnStep hook: times the step, refreshes the bar every `refresh_seconds`."""
         if self.bar is None:
             return
         now = self.clock()
@@ -205,18 +206,6 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-class _OnStep:
-    """The OnStep hook (a bound method cannot carry `checks_finite_lazily`)."""
-
-    checks_finite_lazily = True
-
-    def __init__(self, progress: ProgressBar):
-        self.progress = progress
-
-    def __call__(self, loop: Any, metrics: Any) -> None:
-        self.progress.on_step(loop, metrics)
 
 
 def progress_bar(
@@ -269,6 +258,6 @@ def progress_bar(
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
-        loop.on_step("progress_bar", _OnStep(progress), priority=priority)
+        loop.on_step("progress_bar", progress, priority=priority)
         loop.on_end("progress_bar", progress.on_end, priority=priority)
     return progress

@@ -192,6 +192,12 @@ class PeriodicTrigger(_Trigger):
             f"periodic_callback({self.schedule.period_seconds:g}s): {name}", fn, priority
         )
 
+    def __call__(self, loop: Any, metrics: Any) -> Any:
+        # Runs every step: within a run, one clock reading settles the usual "not yet".
+        if loop.run_index == self._run_index and not self.schedule.should_fire(self.clock()):
+            return None
+        return super().__call__(loop, metrics)
+
     def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
         if first_step_of_run:
             # The first step usually includes compilation: it only starts the clock.

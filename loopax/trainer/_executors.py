@@ -38,6 +38,7 @@ class Executor:
     info: ExecInfo
     run: Callable[..., Any] = dataclasses.field(repr=False)
     hits: int = 0
+    key: Hashable = dataclasses.field(default=None, repr=False)
 
 
 class ExecutorCache:
@@ -45,6 +46,11 @@ class ExecutorCache:
 
     Evicting warns, naming the evicted spec and shapes, because an input pipeline whose
     shapes keep changing pays a compilation per new shape.
+
+    Keys are `(graph, spec, shapes and dtypes)`. Building such a key costs more than a
+    small step's own dispatch, so `get_fast` also looks executors up by a cheaper key
+    (e.g. the batch's JAX avals) that `remember` maps to an executor found the slow way.
+    Fast keys are an index only: hits and recency are those of the executor's own key.
     """
 
     def __init__(self, max_size: int):
@@ -52,6 +58,7 @@ class ExecutorCache:
             raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
         self.max_size = max_size
         self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
+        self._fast: dict[Hashable, Executor] = {}
 
     def get(self, key: Hashable) -> Executor | None:
         executor = self._entries.get(key)
@@ -60,9 +67,25 @@ class ExecutorCache:
             executor.hits += 1
         return executor
 
+    def get_fast(self, fast_key: Hashable) -> Executor | None:
+        """The executor `remember`ed for `fast_key` (counted as a hit), or None."""
+        executor = self._fast.get(fast_key)
+        if executor is not None:
+            self._entries.move_to_end(executor.key)
+            executor.hits += 1
+        return executor
+
+    def remember(self, fast_key: Hashable, executor: Executor) -> None:
+        """Maps `fast_key` to a cached `executor` for `get_fast`."""
+        if len(self._fast) >= 4 * self.max_size:  # e.g. many shardings of one shape
+            self._fast.clear()
+        self._fast[fast_key] = executor
+
     def put(self, key: Hashable, executor: Executor) -> None:
+        executor.key = key
         self._entries[key] = executor
         while len(self._entries) > self.max_size:
+            self._fast.clear()
             _, evicted = self._entries.popitem(last=False)
             info = evicted.info
             logger.warning(
@@ -78,3 +101,4 @@ class ExecutorCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._fast.clear()

@@ -6,6 +6,7 @@ import bisect
 import collections
 import itertools
 import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -170,25 +171,41 @@ class Loop:
         self._finite_checked_step = -1
         self._run_hooks("OnStart", dataset)
 
-    def _next_batch(self, dataset: Dataset) -> tuple:
-        try:
-            return dataset.yield_batch()
-        except StopIteration:
-            raise
-        except Exception as err:
-            raise RuntimeError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} failed at step "
-                f"{self.loop_step}: {type(err).__name__}: {err}"
-            ) from err
+    def _dataset_error(self, dataset: Dataset, err: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"dataset {getattr(dataset, 'name', dataset)!r} failed at step "
+            f"{self.loop_step}: {type(err).__name__}: {err}"
+        )
 
-    def _train_one(self, batch: tuple, started: float) -> None:
-        """Runs one step and its OnStep hooks; the caller advances `loop_step`."""
-        metrics = self.trainer.train_step(*batch)
-        self._metrics = metrics
-        self._metrics_step = self.loop_step
-        self._in_flight.push(metrics["loss"])
-        self._run_hooks("OnStep", metrics)
-        self.train_step_durations.append(time.perf_counter() - started)
+    def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
+        """Runs steps and their OnStep hooks until `loop_step` reaches `stop_step`, a stop
+        is requested, or the dataset ends; returns True if the dataset ended.
+
+        The per-step path of every run, kept tight: on a small model the loop's own
+        Python shows in the step rate.
+        """
+        train_step = self.trainer.train_step
+        yield_batch = dataset.yield_batch
+        push = self._in_flight.push
+        record_duration = self.train_step_durations.append
+        run_hooks = self._run_hooks
+        clock = time.perf_counter
+        while self.loop_step < stop_step and not self._stop_requested:
+            started = clock()
+            try:
+                batch = yield_batch()
+            except StopIteration:
+                return True
+            except Exception as err:
+                raise self._dataset_error(dataset, err) from err
+            metrics = train_step(*batch)
+            self._metrics = metrics
+            self._metrics_step = self.loop_step
+            push(metrics["loss"])
+            run_hooks("OnStep", metrics)
+            record_duration(clock() - started)
+            self.loop_step += 1
+        return False
 
     def _end_run(self) -> Metrics:
         self._in_flight.wait_all()
@@ -212,21 +229,14 @@ class Loop:
         if steps == 0:
             return {}
         self._start_run(dataset, self.trainer.global_step + int(steps))
-        end_step = self.end_step
         # A stop requested by an OnStart hook runs no step, as in run_epochs.
-        while self.loop_step < end_step and not self._stop_requested:
-            started = time.perf_counter()
-            try:
-                batch = self._next_batch(dataset)
-            except StopIteration:
-                done = self.loop_step - self.start_step
-                raise RuntimeError(
-                    f"reached the end of dataset {getattr(dataset, 'name', dataset)!r} after "
-                    f"{done} of {steps} steps; use run_epochs or a looping dataset "
-                    "(e.g. ArrayDataset(..., loop_forever=True))"
-                ) from None
-            self._train_one(batch, started)
-            self.loop_step += 1
+        if self._train_until(dataset, self.end_step):
+            done = self.loop_step - self.start_step
+            raise RuntimeError(
+                f"reached the end of dataset {getattr(dataset, 'name', dataset)!r} after "
+                f"{done} of {steps} steps; use run_epochs or a looping dataset "
+                "(e.g. ArrayDataset(..., loop_forever=True))"
+            )
         return self._end_run()
 
     def run_to_step(self, dataset: Dataset, global_step: int) -> Metrics:
@@ -253,25 +263,19 @@ class Loop:
         if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
             raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
         self._start_run(dataset, -1)
-        batches_in_epoch = 0
         while self.epoch < epochs and not self._stop_requested:
-            started = time.perf_counter()
-            try:
-                batch = self._next_batch(dataset)
-            except StopIteration:
-                if batches_in_epoch == 0:
-                    raise ValueError(
-                        f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch in "
-                        f"epoch {self.epoch}"
-                    ) from None
-                self.end_step = self.loop_step + batches_in_epoch * (epochs - self.epoch - 1)
-                dataset.reset()
-                self.epoch += 1
-                batches_in_epoch = 0
-                continue
-            self._train_one(batch, started)
-            self.loop_step += 1
-            batches_in_epoch += 1
+            epoch_start = self.loop_step
+            if not self._train_until(dataset, sys.maxsize):
+                break  # a stop was requested
+            batches_in_epoch = self.loop_step - epoch_start
+            if batches_in_epoch == 0:
+                raise ValueError(
+                    f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch in "
+                    f"epoch {self.epoch}"
+                )
+            self.end_step = self.loop_step + batches_in_epoch * (epochs - self.epoch - 1)
+            dataset.reset()
+            self.epoch += 1
         return self._end_run()
 
     def __repr__(self) -> str:

@@ -370,6 +370,17 @@ class Trainer:
         return executor
 
     def _executor(self, graph: str, spec: Any, inputs: list, labels: list) -> Executor:
+        # The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
+        # sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a
+        # step, 2-3% of a small model's step.
+        try:
+            fast_key = (graph, spec, len(inputs), *[a.aval for a in inputs],
+                        *[a.aval for a in labels])
+            executor = self._cache.get_fast(fast_key)
+        except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
+            fast_key = executor = None
+        if executor is not None:
+            return executor
         key_spec = _spec_key(spec)
         key = (
             graph,
@@ -380,6 +391,8 @@ class Trainer:
         executor = self._cache.get(key)
         if executor is None:
             executor = self._compile(graph, key, spec, inputs, labels)
+        if fast_key is not None:
+            self._cache.remember(fast_key, executor)
         return executor
 
     # -- steps ----------------------------------------------------------------------------
