@@ -7,6 +7,15 @@ import collections
 import jax
 
 DEFAULT_LIMIT = 8
+# On one device no collective can deadlock, so more steps may queue: the host then sleeps
+# and wakes once per 16 steps. Each wake-up costs a thread hand-off that shows on a small
+# model (a 40 µs step ran ~4% faster with 32 than with 8 in flight).
+SINGLE_DEVICE_LIMIT = 32
+
+
+def limit_for(num_devices: int) -> int:
+    """The in-flight bound for a step over `num_devices` devices."""
+    return SINGLE_DEVICE_LIMIT if num_devices == 1 else DEFAULT_LIMIT
 
 
 class InFlight:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._datasets import Dataset
 from ._hooks import Hook, HookError, Priority
-from ._inflight import InFlight
+from ._inflight import InFlight, limit_for
 from ._trainer import Trainer
 
 Metrics = dict[str, Any]
@@ -83,7 +83,7 @@ class Loop:
         self._metrics: Metrics = {}
         self._metrics_step = -1
         self._finite_checked_step = -1
-        self._in_flight = InFlight()
+        self._in_flight = InFlight(limit_for(trainer.num_devices))
 
     # -- hook registration ----------------------------------------------------------------
 
