@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -93,6 +94,14 @@ def make_batches(
     return batches
 
 
+def host_arrays(batches: Sequence[Batch], steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs and labels of `steps` cycled batches as two numpy arrays, in order: the
+    data as a Keras or loopax user holds it before training (on the host)."""
+    order = [batches[index % len(batches)] for index in range(steps)]
+    return (np.concatenate([np.asarray(batch[1][0]) for batch in order]),
+            np.concatenate([np.asarray(batch[2][0]) for batch in order]))
+
+
 class CyclingDataset:
     """Yields the same device-resident batches over and over (no host work)."""
 
@@ -114,12 +123,23 @@ class CyclingDataset:
 # -- the hand-written baselines -----------------------------------------------------------
 
 
-def _hand_written_step(workload: Workload, axis_name: str | None):
+def _hand_written_step(workload: Workload, axis_name: str | None, moving_average: bool = False):
+    """A step `(state, x, y) -> (state, loss)`; with `moving_average`, the state also keeps
+    the loss's moving average as `Trainer.train_step` does (weight `max(0.01, 1/count)`)
+    and the step returns `(loss, average)`: what every loopax step computes beyond it."""
     model = workload.module()
     optimizer = workload.optimizer()
 
+    def step_with_average(state, x, y):
+        (params, opt_state), (average, count) = state[:2], state[2]
+        (params, opt_state), loss = step((params, opt_state), x, y)
+        count = count + 1.0
+        weight = jnp.maximum(0.01, 1.0 / count)
+        average = average * (1.0 - weight) + loss * weight
+        return (params, opt_state, jnp.stack([average, count])), (loss, average)
+
     def step(state, x, y):
-        params, opt_state = state
+        params, opt_state = state[:2]
 
         def loss_of(p):
             logits = model.apply(p, x)
@@ -133,9 +153,11 @@ def _hand_written_step(workload: Workload, axis_name: str | None):
 
     def init(x):
         params = model.init(jax.random.PRNGKey(0), x)
+        if moving_average:
+            return (params, optimizer.init(params), jnp.zeros((2,), jnp.float32))
         return (params, optimizer.init(params))
 
-    return step, init
+    return (step_with_average if moving_average else step), init
 
 
 def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | None) -> Run:
@@ -145,7 +167,7 @@ def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | N
     dispatching the next (None: never wait until the end).
     """
     state, loss = step(state, batches[0][1][0], batches[0][2][0])
-    loss.block_until_ready()
+    jax.block_until_ready(loss)
     count = len(batches)
 
     def run() -> None:
@@ -154,7 +176,7 @@ def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | N
         for index in range(steps):
             _, inputs, labels = batches[index % count]
             state, loss = step(state, inputs[0], labels[0])
-        loss.block_until_ready()
+        jax.block_until_ready(loss)
 
     def run_bounded() -> None:
         nonlocal state
@@ -164,15 +186,18 @@ def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | N
             state, loss = step(state, inputs[0], labels[0])
             pending.append(loss)
             if len(pending) > in_flight:
-                pending.popleft().block_until_ready()
-        pending[-1].block_until_ready()
+                jax.block_until_ready(pending.popleft())
+        jax.block_until_ready(pending[-1])
 
     return run if in_flight is None else run_bounded
 
 
-def hand_written(workload: Workload, batches: Sequence[Batch], steps: int) -> Run:
-    """The baseline: a jitted step with donated state, as a careful user writes it."""
-    step, init = _hand_written_step(workload, None)
+def hand_written(
+    workload: Workload, batches: Sequence[Batch], steps: int, moving_average: bool = False
+) -> Run:
+    """The baseline: a jitted step with donated state, as a careful user writes it
+    (`moving_average`: keeping the loss's moving average too, see `_hand_written_step`)."""
+    step, init = _hand_written_step(workload, None, moving_average)
     return _cycle(jax.jit(step, donate_argnums=0), init(batches[0][1][0]), batches, steps, None)
 
 
@@ -231,8 +256,10 @@ def loopax_loop(
     attach: Callable[[loopax.Loop], Any] | None = None,
     devices: Sequence[Any] | None = None,
     parallel: str = "shard_map",
+    dataset: Any = None,
 ) -> Run:
-    """loopax's `Loop.run_steps` over the cycling batches, with `attach(loop)` hooks."""
+    """loopax's `Loop.run_steps` over the cycling batches (or over `dataset`, e.g. an
+    `ArrayDataset` of numpy arrays), with `attach(loop)` hooks."""
     trainer = loopax.Trainer(
         workload.model_fn, loss_fn, workload.optimizer(),
         devices=list(devices) if devices is not None else jax.devices()[:1], parallel=parallel,
@@ -240,7 +267,8 @@ def loopax_loop(
     loop = loopax.Loop(trainer)
     if attach is not None:
         attach(loop)
-    dataset = CyclingDataset(batches)
+    if dataset is None:
+        dataset = CyclingDataset(batches)
     loop.run_steps(dataset, 2)  # compile
 
     def run() -> None:

@@ -8,8 +8,8 @@ import jax
 
 DEFAULT_LIMIT = 8
 # On one device no collective can deadlock, so more steps may queue: the host then sleeps
-# and wakes once per 16 steps. Each wake-up costs a thread hand-off that shows on a small
-# model (a 40 µs step ran ~4% faster with 32 than with 8 in flight).
+# and wakes once per 17 steps. Each wake-up costs a thread hand-off that shows on a small
+# model: on a 40 µs step the bare loop went from 0.89 to 0.96 of a hand-written loop's rate.
 SINGLE_DEVICE_LIMIT = 32
 
 
@@ -25,7 +25,7 @@ class InFlight:
     simulated devices on few cores, can deadlock cross-device collectives. When more than
     `limit` steps are pending, the host waits until only `limit // 2` are left (steps
     finish in order, so waiting on one step covers all before it). The device never runs
-    dry, and the host sleeps and wakes once per `limit // 2` steps instead of every step.
+    dry, and the host sleeps and wakes once per `limit // 2 + 1` steps instead of every step.
     """
 
     def __init__(self, limit: int = DEFAULT_LIMIT):

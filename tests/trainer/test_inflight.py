@@ -1,0 +1,66 @@
+"""The bound on dispatched steps: how many may be pending, and when the host waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopax.trainer._inflight import DEFAULT_LIMIT, SINGLE_DEVICE_LIMIT, InFlight, limit_for
+
+
+class FakeOutput:
+    """A step's output that records when the host waited for it."""
+
+    def __init__(self, index: int, waits: list[int]):
+        self.index = index
+        self.waits = waits
+
+    def block_until_ready(self) -> "FakeOutput":
+        self.waits.append(self.index)
+        return self
+
+
+def push_all(in_flight: InFlight, count: int) -> tuple[list[int], list[int]]:
+    """Pushes `count` outputs; returns the waited indices and the pending count after each."""
+    waits: list[int] = []
+    pending_after: list[int] = []
+    for index in range(count):
+        in_flight.push(FakeOutput(index, waits))
+        pending_after.append(len(in_flight._pending))
+    return waits, pending_after
+
+
+def test_pending_steps_never_exceed_the_limit():
+    _, pending_after = push_all(InFlight(8), 100)
+    assert max(pending_after) == 8
+
+
+def test_waits_in_batches_for_the_step_half_a_limit_back():
+    waits, pending_after = push_all(InFlight(8), 100)
+    # The 9th push goes past the limit: the host waits for step 4 (steps finish in order, so
+    # that covers 0..4) and keeps the newest 4; the next wait comes 5 pushes later.
+    assert waits[:3] == [4, 9, 14]
+    assert waits == list(range(4, 96, 5))
+    assert pending_after[8] == 4
+
+
+def test_wait_all_waits_only_for_the_newest_step():
+    in_flight = InFlight(8)
+    waits, _ = push_all(in_flight, 6)
+    assert waits == []
+    in_flight.wait_all()
+    assert waits == [5]
+    in_flight.wait_all()  # nothing pending: no second wait
+    assert waits == [5]
+
+
+def test_limit_below_two_is_rejected():
+    with pytest.raises(ValueError, match="in-flight limit must be >= 2, got 1"):
+        InFlight(1)
+
+
+def test_one_device_queues_more_steps_than_several():
+    # Several devices keep the short queue that avoids collective deadlocks on few cores.
+    assert limit_for(1) == SINGLE_DEVICE_LIMIT > limit_for(4) == limit_for(2) == DEFAULT_LIMIT
+    waits, pending_after = push_all(InFlight(limit_for(1)), 100)
+    assert max(pending_after) == SINGLE_DEVICE_LIMIT
+    assert len(waits) == (100 - SINGLE_DEVICE_LIMIT - 1) // (SINGLE_DEVICE_LIMIT // 2 + 1) + 1
