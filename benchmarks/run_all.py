@@ -8,9 +8,9 @@ On each, one interleaved comparison against a hand-written `jax.jit` loop (no pe
 sync): loopax's Loop bare, with 5 no-op `every_n_steps` hooks, and with the README's
 hooks (progress bar, TensorBoard, checkpoint every 60 s; a second row saves every 1000
 steps); Keras 3 `fit` on the JAX backend with `steps_per_execution` 1 and 32 (same
-network and optimizer, the same batches as device arrays). On 4 simulated CPU devices (a subprocess with
-`XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax `parallel="shard_map"` and
-`"pmap"` against a hand-written `jax.jit(jax.shard_map(step))`.
+network and optimizer, the same batches as device arrays). On 4 simulated CPU devices (a
+subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax
+`parallel="shard_map"` and `"pmap"` against a hand-written `jax.jit(jax.shard_map(step))`.
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -146,7 +146,15 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                                                              moving_average=True)
         candidates[BARE] = _common.loopax_loop(workload, batches, steps)
         candidates[NOOP] = _common.loopax_loop(workload, batches, steps, attach=_common.noop_hooks(5))
-        for row, kwargs in ((README, {}), (FREQUENT_SAVES, {"every_n_steps": 1000})):
+        readme_rows: list[tuple[str, dict, Any]] = [
+            (README, {}, None), (FREQUENT_SAVES, {"every_n_steps": 1000}, None)]
+        if keras_rows:  # the README hooks fed from numpy, to pair with Keras fed numpy
+            import loopax  # noqa: PLC0415
+
+            x, y = _common.host_arrays(batches, steps)
+            readme_rows.append((README_HOST, {}, loopax.ArrayDataset(
+                x, y, workload.batch_size, shuffle=False, loop_forever=True)))
+        for row, kwargs, dataset in readme_rows:
             attach, why = _common.readme_hooks(directory / row.split()[-1], **kwargs)
             if attach is None:
                 unavailable[row] = why
@@ -157,23 +165,9 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                 attach(loop)
                 captured["loop"] = loop
 
-            loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_and_keep)
+            loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_and_keep,
+                                           dataset=dataset)
             candidates[row] = _common.split_end_of_run(loop_run, captured["loop"])
-    if loopax_rows and keras_rows and README in candidates:
-        import loopax  # noqa: PLC0415
-
-        attach, _ = _common.readme_hooks(directory / "host")
-        captured = {}
-
-        def attach_host(loop: Any) -> None:
-            attach(loop)
-            captured["loop"] = loop
-
-        x, y = _common.host_arrays(batches, steps)
-        dataset = loopax.ArrayDataset(x, y, workload.batch_size, shuffle=False, loop_forever=True)
-        loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_host,
-                                       dataset=dataset)
-        candidates[README_HOST] = _common.split_end_of_run(loop_run, captured["loop"])
     if keras_rows:
         for row, spe, host in ((KERAS.format(1), 1, False), (KERAS.format(32), 32, False),
                                (KERAS_HOST, 1, True)):
@@ -187,8 +181,8 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
     timings = _common.interleave(candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick],
                                  on_round=round_progress(name))
     rows = [(REFERENCE, timings.rate(REFERENCE), 1.0, 0.0)]
-    for row in (REFERENCE_AVERAGE, BARE, NOOP, README, README + "whole", FREQUENT_SAVES, KERAS.format(1),
-                KERAS.format(32), README_HOST, KERAS_HOST):
+    for row in (REFERENCE_AVERAGE, BARE, NOOP, README, README + "whole", FREQUENT_SAVES,
+                KERAS.format(1), KERAS.format(32), README_HOST, KERAS_HOST):
         label = README_WHOLE if row == README + "whole" else row
         if row in timings.seconds:
             rows.append((label, timings.rate(row), timings.ratio(row, REFERENCE),
