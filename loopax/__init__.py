@@ -11,12 +11,16 @@ from .trainer import ArrayDataset as ArrayDataset
 from .trainer import Context as Context
 from .trainer import Dataset as Dataset
 from .trainer import ExecInfo as ExecInfo
+from .trainer import Evaluation as Evaluation
 from .trainer import Executor as Executor
+from .trainer import History as History
+from .trainer import Hook as Hook
 from .trainer import HookError as HookError
 from .trainer import IterableDataset as IterableDataset
 from .trainer import Loop as Loop
 from .trainer import NonFiniteLossError as NonFiniteLossError
 from .trainer import Priority as Priority
+from .trainer import Schedule as Schedule
 from .trainer import TrainState as TrainState
 from .trainer import Trainer as Trainer
 from .trainer import __all__ as _TRAINER_NAMES

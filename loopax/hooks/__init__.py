@@ -1,7 +1,12 @@
-"""Trigger helpers and ready hooks for `loopax.Loop`."""
+"""Schedules, trigger helpers and ready hooks for `loopax.Loop`."""
 
+from ..trainer._hooks import AnyOf as AnyOf
+from ..trainer._hooks import Schedule as Schedule
 from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import NoGoodCheckpointError as NoGoodCheckpointError
 from ._checkpoint import checkpoint as checkpoint
+from ._checkpoint_io import DamagedCheckpointError as DamagedCheckpointError
+from ._checkpoint_writer import BackgroundSaveError as BackgroundSaveError
 from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
@@ -13,27 +18,60 @@ from ._progress import ProgressBar as ProgressBar
 from ._progress import progress_bar as progress_bar
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._tensorboard import tensorboard as tensorboard
+from ._triggers import AtSteps as AtSteps
+from ._triggers import EveryNEpochs as EveryNEpochs
+from ._triggers import EveryNSteps as EveryNSteps
+from ._triggers import Exponential as Exponential
+from ._triggers import FirstNSteps as FirstNSteps
+from ._triggers import NTimes as NTimes
+from ._triggers import Periodic as Periodic
+from ._triggers import at_steps as at_steps
+from ._triggers import every_n_epochs as every_n_epochs
 from ._triggers import every_n_steps as every_n_steps
 from ._triggers import exponential_callback as exponential_callback
+from ._triggers import first_n_steps as first_n_steps
 from ._triggers import n_times_during_loop as n_times_during_loop
+from ._triggers import on_schedule as on_schedule
 from ._triggers import periodic_callback as periodic_callback
+from ._writers import MetricWriter as MetricWriter
+from ._writers import WriterHooks as WriterHooks
+from ._writers import write_metrics as write_metrics
 
-__all__ = [
+__all__ = sorted([
+    "AnyOf",
+    "AtSteps",
+    "BackgroundSaveError",
     "Checkpointer",
+    "DamagedCheckpointError",
+    "EveryNEpochs",
+    "EveryNSteps",
     "Evaluator",
+    "Exponential",
+    "FirstNSteps",
+    "MetricWriter",
     "MetricsLog",
+    "NTimes",
+    "NoGoodCheckpointError",
+    "Periodic",
     "Plotter",
     "ProgressBar",
+    "Schedule",
     "TensorBoardWriter",
+    "WriterHooks",
+    "at_steps",
     "checkpoint",
     "evaluate",
+    "every_n_epochs",
     "every_n_steps",
     "exponential_callback",
+    "first_n_steps",
     "metrics_log",
     "n_times_during_loop",
+    "on_schedule",
     "periodic_callback",
     "plot",
     "progress_bar",
     "report_eval",
     "tensorboard",
-]
+    "write_metrics",
+])

@@ -1,52 +1,56 @@
-"""The checkpoint hook: Orbax-backed, asynchronous, atomic saves that resume exactly.
+"""The checkpoint hook: Orbax-backed, asynchronous, atomic, verified saves that resume exactly.
 
 On-disk layout (one Orbax `CheckpointManager` directory; step = `trainer.global_step`)::
 
-    <directory>/<step>/state/    the TrainState as a plain tree of arrays (Orbax StandardSave)
-    <directory>/<step>/loopax/   JSON: format marker, steps, trigger and dataset states, metrics
-    <directory>/damaged/<step>/  checkpoints that could not be read, moved aside (never deleted)
+    <directory>/<step>/state/    the train state as a plain tree of arrays (Orbax StandardSave)
+    <directory>/<step>/loopax/   JSON: format marker, step, array checksums, the loop's state
+                                 (history, trigger and hook states), the dataset position
+    <directory>/damaged/<step>/  checkpoints that could not be read or verified, moved aside
 
-The state is saved as a plain tree (see `_checkpoint_format`), so it reads back into host
-arrays without knowing the model, onto any device count, and an unreadable checkpoint is found
-when the hook is attached, before the run starts. No pickle is used anywhere.
+The state is saved in its plain form (`Trainer.state_dict()`), so it reads back into host
+arrays without knowing the model, onto any device count. A checkpoint is restored only if
+its arrays match the checksums written with them and are all finite; otherwise it is moved
+aside with a warning and the next newest is tried. No pickle is used anywhere.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
+from ..trainer._finite import NonFiniteLossError
 from ..trainer._hooks import Priority
-from ..trainer._state import TrainState
+from ..trainer._loop import Loop
+from ..trainer._state import first_non_finite
+from ._checkpoint_checks import check_best_metric as _check_best_metric
+from ._checkpoint_checks import check_count as _check_count
 from ._checkpoint_format import BUNDLE_ITEM as _BUNDLE_ITEM
-from ._checkpoint_format import DAMAGED_DIR as _DAMAGED_DIR
 from ._checkpoint_format import FORMAT as _FORMAT
 from ._checkpoint_format import STATE_ITEM as _STATE_ITEM
 from ._checkpoint_format import VERSION as _VERSION
 from ._checkpoint_format import check_directory as _check_directory
-from ._checkpoint_format import from_plain as _from_plain
-from ._checkpoint_format import to_plain as _to_plain
-from ._checkpoint_checks import check_best_metric as _check_best_metric
-from ._checkpoint_checks import check_count as _check_count
-from ._checkpoint_writer import BackgroundWriter, wait_at_exit
-from ._triggers import every_n_steps as _every_n_steps
-from ._triggers import periodic_callback as _periodic_callback
-
+from ._checkpoint_io import checksums, read, set_aside, set_aside_entries
+from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
+from ._metric_info import split_eval_key
+from ._triggers import EveryNEpochs, EveryNSteps, Periodic
 
 _logger = logging.getLogger(__name__)
 
+# The newest Checkpointer of each directory in this process: a new one waits for the saves
+# the old one has in flight (Orbax's start-up clean-up would delete them).
+_ACTIVE: dict[Path, weakref.ref] = {}
 
-# -- the hook -------------------------------------------------------------------------------
+
+class NoGoodCheckpointError(RuntimeError):
+    """Every checkpoint in the directory is damaged: loopax will not silently start over."""
 
 
 class Checkpointer:
@@ -59,7 +63,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        loop: Any,
+        loop: Loop,
         directory: str | os.PathLike,
         *,
         keep: int | None = 3,
@@ -84,12 +88,19 @@ class Checkpointer:
         self.directory = Path(directory).expanduser().absolute()
         _check_directory(self.directory)
         self.restored_step: int | None = None
-        self._pending_bundle: dict | None = None  # non-array state, applied at the next OnStart
-        self._pending_state: dict | None = None  # arrays waiting for the trainer's first batch
-        self._pending_where = ""
+        self._pending_datasets: dict | None = None  # dataset positions for the next OnStart
+        self._pending_save: tuple | None = None
         self._dataset: Any = None
         self._last_saved_step: int | None = None
-        self._writer = BackgroundWriter(str(self.directory), in_background=async_save)
+        self._best_values: dict[int, float] | None = None  # step -> best_metric, read lazily
+        self._writer = BackgroundWriter(
+            str(self.directory), in_background=async_save, on_failure=loop.report_error
+        )
+        previous = _ACTIVE.get(self.directory)
+        previous = previous() if previous is not None else None
+        if previous is not None:
+            previous.wait_quietly()
+        _ACTIVE[self.directory] = weakref.ref(self)
 
         preserve = [policies.LatestN(self.keep)]
         if best_metric is not None:
@@ -117,7 +128,7 @@ class Checkpointer:
                 _BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
             },
         )
-        wait_at_exit(self.wait)
+        wait_at_exit(self.wait_quietly)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -130,14 +141,55 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def best_step(self) -> int | None:
+        """The step of the best checkpoint on disk by `best_metric`, or None (no
+        `best_metric`, or no checkpoint holds its value).
+
+        Raises:
+          ValueError: the hook was attached without `best_metric`.
+        """
+        if self.best_metric is None:
+            raise ValueError(
+                "best_step() needs the hook attached with best_metric=... (e.g. "
+                "'eval/test/mean_loss')"
+            )
+        self.wait()
+        values = self._read_best_values()
+        if not values:
+            return None
+        pick = min if self.best_mode == "min" else max
+        return pick(sorted(values), key=lambda step: values[step])
+
+    def _read_best_values(self) -> dict[int, float]:
+        if self._best_values is None:
+            self._best_values = {}
+            for step in self.all_steps():
+                try:
+                    bundle = self._manager.restore(step, args=self._ocp.args.Composite(
+                        **{_BUNDLE_ITEM: self._ocp.args.JsonRestore()}))[_BUNDLE_ITEM]
+                except Exception:  # noqa: BLE001 - an unreadable one is no candidate
+                    continue
+                value = (bundle.get("best_metric") or {}).get(self.best_metric)
+                if value is not None:
+                    self._best_values[step] = float(value)
+        on_disk = set(self.all_steps())
+        return {step: v for step, v in self._best_values.items() if step in on_disk}
+
     def wait(self) -> None:
         """Blocks until every asynchronous save is written and committed.
 
         Raises:
-          RuntimeError: a background save failed (the original error is chained).
+          BackgroundSaveError: a background save failed (the original error is chained).
         """
         self._writer.wait()
         self._manager.wait_until_finished()
+
+    def wait_quietly(self) -> None:
+        """`wait`, logging a failed save instead of raising it (it was reported already)."""
+        try:
+            self.wait()
+        except BackgroundSaveError as err:
+            _logger.warning("%s", err)
 
     def close(self) -> None:
         """Waits for in-flight saves and releases Orbax's resources."""
@@ -147,77 +199,45 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def _best_value(self, metrics: dict | None) -> float | None:
+    def _best_value(self, step: int) -> float | None:
         if self.best_metric is None:
             return None
-        kind, *names = self.best_metric.split("/")
-        if kind == "train":
-            value = (metrics or {}).get(names[0])
-        else:
-            shared = self.loop.shared_data
-            evaluated_at = shared.get("eval_step", self.trainer.global_step)
-            # An evaluation of other parameters says nothing about this checkpoint's.
-            stale = evaluated_at != self.trainer.global_step
-            value = None if stale else shared.get("eval", {}).get(names[0], {}).get(names[1])
-        if value is None:
+        value = self.loop.history.value_at(self.best_metric, step)
+        if value is None and split_eval_key(self.trainer, self.best_metric) is None:
+            metric = self.best_metric.split("/", 1)[1]
+            if self.loop.metrics and self.trainer.global_step == step:
+                value = self.loop.host_metrics().get(metric)
+        if value is None or not math.isfinite(value):
             return None
-        value = float(np.asarray(jax.device_get(value)))
-        return value if math.isfinite(value) else None
+        return float(value)
 
-    def _trigger_states(self) -> dict[str, Any]:
-        states: dict[str, Any] = {}
-        for trigger in self.loop._triggers:
-            name, count = trigger.name, 2
-            while name in states:
-                name, count = f"{trigger.name}#{count}", count + 1
-            states[name] = trigger.get_state()
-        return states
-
-    def _bundle(self, step: int, best_value: float | None) -> dict:
-        datasets = {}
+    def _dataset_states(self) -> dict[str, Any]:
         dataset = self._dataset
         if dataset is not None and callable(getattr(dataset, "get_state", None)):
-            name = getattr(dataset, "name", "dataset")
-            datasets[name] = dataset.get_state()
-        bundle = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "global_step": step,
-            "loop_step": step,
-            "num_devices": self.trainer.num_devices,
-            "triggers": self._trigger_states(),
-            "datasets": datasets,
-            "best_metric": None if best_value is None else {self.best_metric: best_value},
-            "saved_at": time.time(),
-        }
-        try:
-            json.dumps(bundle)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"the checkpoint of step {step} must be JSON: a dataset's get_state() or a "
-                f"trigger's get_state() returned something else ({err}); return ints, floats, "
-                "strings, lists and dicts"
-            ) from err
-        return bundle
+            return {getattr(dataset, "name", "dataset"): dataset.get_state()}
+        return {}
 
     def save(self, metrics: dict | None = None) -> int | None:
         """Saves the current state at `trainer.global_step`, asynchronously.
 
-        Returns at once after the arrays are copied off the device; `wait()` blocks until
-        the checkpoint is committed. A step already saved is not saved again.
+        The arrays are copied off the device now; once the hooks of the current step have
+        run (at once outside a run) the logs are flushed and a background thread verifies
+        the arrays (all finite), checksums them and commits the checkpoint; `wait()` blocks
+        until then. A step already saved is not saved again.
 
         Args:
-          metrics: the train metrics to read a `"train/..."` best metric from; default the
-            loop's latest.
+          metrics: unused (the best metric is read from `loop.history`); kept so the
+            method can be a hook.
 
         Returns:
           The saved step, or None when it was already saved.
 
         Raises:
           RuntimeError: the trainer has no state yet (before its first batch).
-          NonFiniteLossError: the current loss is NaN or infinite.
+          NonFiniteLossError: a loss so far is NaN or infinite.
         """
-        state = self.trainer.state
+        del metrics
+        state = self.trainer.state_dict()
         if state is None:
             raise RuntimeError(
                 "nothing to checkpoint before the trainer's first step: the variables are "
@@ -226,74 +246,81 @@ class Checkpointer:
         step = self.trainer.global_step
         if step == self._last_saved_step or step in self._manager.all_steps():
             return None
-        self.loop._check_finite()
-        best_value = self._best_value(self.loop._metrics if metrics is None else metrics)
-        # A real host copy: the next train step donates (reuses) the device buffers, and on
-        # CPU `device_get` may return a view of them rather than a copy.
-        host_state = jax.tree.map(np.array, _to_plain(state))
-        bundle = self._bundle(step, best_value)
-        self._writer.submit(self._write, step, host_state, bundle, best_value)
+        self.loop.check_finite()
+        self._pending_save = (step, state, self._dataset_states())
         self._last_saved_step = step
+        self.loop.call_after_hooks(self._commit)
         return step
 
-    def _write(self, step: int, host_state: dict, bundle: dict, best_value: float | None) -> None:
+    def _commit(self) -> None:
+        """After the step's hooks: the logs of the step go to disk before the checkpoint."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        step, state, datasets = pending
+        flushed = self.loop.flush()
+        best_value = self._best_value(step)
+        bundle = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "global_step": step,
+            "num_devices": self.trainer.num_devices,
+            "loop": self.loop.get_state(),
+            "datasets": datasets,
+            "best_metric": None if best_value is None else {self.best_metric: best_value},
+            "saved_at": time.time(),
+        }
+        try:
+            import json  # noqa: PLC0415
+
+            json.dumps(bundle)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"the checkpoint of step {step} must be JSON: a dataset's get_state() or a "
+                f"hook's get_state() returned something else ({err}); return ints, floats, "
+                "strings, lists and dicts"
+            ) from err
+        self._writer.submit(self._write, step, state, bundle, best_value, flushed)
+
+    def _write(
+        self, step: int, state: dict, bundle: dict, best_value: float | None,
+        flushed: Callable[[], None],
+    ) -> None:
+        """The background thread: waits for the logs, verifies, checksums and commits."""
+        flushed()
+        bad = first_non_finite(state)
+        if bad is not None:
+            raise NonFiniteLossError(
+                f"refused to save checkpoint {step}: {bad!r} holds NaN or infinite values; the "
+                "newest good checkpoint is kept"
+            )
+        bundle["checksums"] = checksums(state)
         ocp = self._ocp
         self._manager.save(
             step,
             args=ocp.args.Composite(**{
-                _STATE_ITEM: ocp.args.StandardSave(host_state),
+                _STATE_ITEM: ocp.args.StandardSave(state),
                 _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
             }),
             metrics=None if best_value is None else {self.best_metric: best_value},
             force=True,
         )
         self._manager.wait_until_finished()
+        if self._best_values is not None and best_value is not None:
+            self._best_values[step] = best_value
+        self.loop.checkpointed_step = step
 
     # -- restoring ----------------------------------------------------------------------------
-
-    def _read(self, step: int) -> tuple[dict, dict]:
-        """Reads checkpoint `step` into host arrays; raises if anything is missing or damaged."""
-        ocp = self._ocp
-        bundle = self._manager.restore(
-            step, args=ocp.args.Composite(**{_BUNDLE_ITEM: ocp.args.JsonRestore()})
-        )[_BUNDLE_ITEM]
-        if not isinstance(bundle, dict) or bundle.get("format") != _FORMAT:
-            raise ValueError(f"its {_BUNDLE_ITEM!r} item is not a loopax checkpoint description")
-        if bundle.get("version") != _VERSION or bundle.get("global_step") != step:
-            raise ValueError(
-                f"version {bundle.get('version')} / step {bundle.get('global_step')} in its "
-                f"description, expected version {_VERSION} / step {step}"
-            )
-        metadata = self._manager.item_metadata(step)[_STATE_ITEM]
-        tree = getattr(metadata, "tree", metadata)
-        if not isinstance(tree, dict) or not tree:
-            raise ValueError("its state item has no arrays")
-        target = jax.tree.map(lambda array: np.zeros(array.shape, array.dtype), tree)
-        state = self._manager.restore(
-            step, args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.StandardRestore(target)})
-        )[_STATE_ITEM]
-        return state, bundle
-
-    def _set_aside(self, step: int) -> Path | None:
-        if jax.process_index() != 0:
-            return None
-        damaged = self.directory / _DAMAGED_DIR
-        damaged.mkdir(exist_ok=True)
-        destination, count = damaged / str(step), 2
-        while destination.exists():
-            destination, count = damaged / f"{step}.{count}", count + 1
-        shutil.move(str(self.directory / str(step)), str(destination))
-        return destination
 
     def _read_newest_good(self) -> tuple[int, dict, dict] | None:
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                state, bundle = self._read(step)
+                state, bundle = read(self._manager, self._ocp, step)
             except Exception as err:  # any failure to read makes it unusable: fall back
-                moved = self._set_aside(step)
+                moved = set_aside(self.directory, step)
                 kept = f"moved to {str(moved)!r}" if moved else "left in place"
                 warnings.warn(
-                    f"checkpoint {str(self.directory / str(step))!r} could not be read "
+                    f"checkpoint {str(self.directory / str(step))!r} is damaged "
                     f"({type(err).__name__}: {err}); falling back to the next newest. It was "
                     f"not deleted: it was {kept}",
                     RuntimeWarning,
@@ -305,25 +332,36 @@ class Checkpointer:
         return None
 
     def restore(self, step: int | None = None) -> int | None:
-        """Restores checkpoint `step` (default the newest readable one) into the trainer.
+        """Restores checkpoint `step` (default the newest good one) into the trainer.
 
-        The arrays go to the trainer now if its state exists, else when its first batch
-        creates the state; `trainer.global_step` and `loop.loop_step` are set at once. The
-        trigger states and the dataset position are applied at the start of the next run.
-        With `step=None`, an unreadable checkpoint is moved to `<directory>/damaged/` with a
-        warning naming it and why, and the next newest is tried.
+        The trainer's state (`params`, `state`, `global_step`) is set at once, even before
+        its first batch, and the loop continues from the step (`loop.resume_from`: its
+        history and hook states come back; inside a run, the run goes on from there). The
+        dataset position is applied at the start of the next run. With `step=None`, a
+        damaged checkpoint (unreadable, not matching its checksums, or holding NaN or
+        infinite values) is moved to `<directory>/damaged/` with a warning naming it and
+        why, and the next newest is tried.
 
         Returns:
           The restored step, or None when there is no checkpoint.
 
         Raises:
+          NoGoodCheckpointError: checkpoints exist (or were set aside) but none is good.
           ValueError: `step` is not on disk, or its arrays do not fit the model.
-          Exception: whatever reading checkpoint `step` raised, when `step` is given.
+          DamagedCheckpointError: checkpoint `step` (given) is damaged.
         """
         self.wait()
         if step is None:
             found = self._read_newest_good()
             if found is None:
+                damaged = set_aside_entries(self.directory)
+                if damaged:
+                    raise NoGoodCheckpointError(
+                        f"no good checkpoint in {str(self.directory)!r}: the damaged ones were "
+                        f"moved to {str(self.directory / 'damaged')!r} ({', '.join(damaged)}). "
+                        "Training will not start over silently: to start fresh, attach with "
+                        "restore='never' or use a new directory (or delete the damaged ones)"
+                    )
                 return None
             step, state, bundle = found
         else:
@@ -332,93 +370,103 @@ class Checkpointer:
                     f"no checkpoint of step {step} in {str(self.directory)!r}; "
                     f"there are {self.all_steps()}"
                 )
-            state, bundle = self._read(step)
+            state, bundle = read(self._manager, self._ocp, step)
         where = f"checkpoint {str(self.directory / str(step))!r}"
-        if self.trainer.state is not None:
-            self.trainer.state = _from_plain(self.trainer.state, state, where)
-        else:
-            self._pending_state = state
-            self._pending_where = where
-            self.trainer._global_step = step
-        self.loop.loop_step = self.loop.start_step = step
-        self._pending_bundle = bundle
+        self.trainer.load_state_dict(state, where=where)
+        # loopax 0.1 kept only the trigger states, under "triggers".
+        loop_state = bundle.get("loop", {"hooks": bundle.get("triggers", {})})
+        if not self.loop.running:
+            self._pending_datasets = bundle.get("datasets", {})
         self._last_saved_step = step
         self.restored_step = step
+        self.loop.checkpointed_step = step
+        self.loop.resume_from(step, loop_state)
         _logger.info("restored checkpoint %s (step %d)", self.directory / str(step), step)
         return step
 
+    def restore_best(self) -> int | None:
+        """Restores the best checkpoint by `best_metric` (see `best_step`), like
+        `restore(best_step())`; returns its step, or None when none holds the metric.
+
+        Raises:
+          ValueError: the hook was attached without `best_metric`.
+        """
+        step = self.best_step()
+        return None if step is None else self.restore(step)
+
     # -- hooks ----------------------------------------------------------------------------------
 
-    def _on_state_created(self, state: TrainState) -> TrainState:
-        pending, self._pending_state = self._pending_state, None
-        if pending is None:
-            return state
-        return _from_plain(state, pending, self._pending_where)
-
-    def _on_start(self, loop: Any, dataset: Any) -> None:
+    def _on_start(self, loop: Loop, dataset: Any) -> None:
         self._dataset = dataset
-        bundle, self._pending_bundle = self._pending_bundle, None
-        if bundle is None:
+        saved, self._pending_datasets = self._pending_datasets, None
+        if not saved:
             return
-        saved_triggers = bundle.get("triggers", {})
-        current = self._trigger_states()  # for the same de-duplicated names
-        for trigger, name in zip(loop._triggers, current):
-            if name in saved_triggers:
-                trigger.set_state(saved_triggers[name])
-        saved_datasets = bundle.get("datasets", {})
         name = getattr(dataset, "name", "dataset")
-        if name in saved_datasets and callable(getattr(dataset, "set_state", None)):
-            dataset.set_state(saved_datasets[name])
-        elif saved_datasets:
+        if name in saved and callable(getattr(dataset, "set_state", None)):
+            dataset.set_state(saved[name])
+        else:
             warnings.warn(
-                f"the checkpoint of step {bundle['global_step']} holds the position of dataset(s) "
-                f"{sorted(saved_datasets)}, but this run trains on {name!r}"
+                f"the checkpoint of step {self.restored_step} holds the position of dataset(s) "
+                f"{sorted(saved)}, but this run trains on {name!r}"
                 f"{'' if callable(getattr(dataset, 'set_state', None)) else ' (no set_state)'}; "
                 "it starts where it is, so the batches differ from an uninterrupted run",
                 RuntimeWarning,
                 stacklevel=2,
             )
 
-    def _save_on_trigger(self, loop: Any, metrics: dict) -> None:
-        self.save(metrics)
+    def _save_on_trigger(self, loop: Loop, metrics: Any) -> None:
+        self.save()
 
-    def _on_end(self, loop: Any, metrics: dict) -> None:
+    def _on_end(self, loop: Loop, metrics: Any) -> None:
         if self.trainer.state is not None:
-            self.save(metrics)
-        self.wait()
+            self.save()
+        # After the other OnEnd hooks wrote their last points (and the commit ran).
+        loop.call_after_hooks(self.wait)
+
+    def _on_error(self, loop: Loop, error: BaseException) -> None:
+        self._pending_save = None
+        self.wait_quietly()
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, steps={self.all_steps()})"
 
 
 def checkpoint(
-    loop: Any,
+    loop: Loop,
     directory: str | os.PathLike,
     *,
     keep: int | None = 3,
     every_n_steps: int | None = None,
     period_seconds: float | None = None,
+    every_n_epochs: int | None = None,
     best_metric: str | None = None,
     best_mode: str = "min",
     keep_best: int = 1,
     keep_period: int | None = None,
-    restore: bool = True,
+    restore: bool | str = True,
     async_save: bool = True,
     clock: Callable[[], float] = time.monotonic,
 ) -> Checkpointer:
     """Checkpoints the loop's training to `directory` with Orbax and resumes from it.
 
-    When attached, restores the newest readable checkpoint: `trainer.global_step` and
-    `loop.loop_step` continue from it at once (so `loop.run_to_step(ds, target)` runs only
-    what is left), the arrays go into the trainer when its first batch creates the state,
-    and the trigger states and the dataset position (`get_state`/`set_state`) come back at
-    the start of the next run. A resumed run then matches an uninterrupted one bit for bit.
+    When attached, restores the newest good checkpoint: the trainer's state, `global_step`
+    and `loop.loop_step` continue from it at once (so `loop.run_to_step(ds, target)` runs
+    only what is left), the loop's history and hook states come back, and the dataset
+    position (`get_state`/`set_state`) at the start of the next run. A resumed run then
+    matches an uninterrupted one bit for bit, its logs included. A damaged checkpoint
+    (unreadable, not matching the checksums written with it, or holding NaN or infinite
+    values) is moved to `<directory>/damaged/` with a warning and the next newest is
+    restored; when none is good the hook raises instead of starting over.
 
     Saves run in the background (training continues once the arrays are off the device) and
-    are atomic: a save cut off by a crash is never taken for a checkpoint. The hook saves on
-    its triggers and at the end of every run, waits for in-flight saves at the end of each
-    run and at interpreter exit, and keeps the newest `keep` checkpoints plus the
-    `keep_best` best by `best_metric` plus every step that is a multiple of `keep_period`.
+    are atomic: a save cut off by a crash is never taken for a checkpoint. A save waits for
+    every loss so far to be checked finite and refuses a state holding NaN or infinity; the
+    logs (TensorBoard, metrics_log, plot) of its step are on disk before it commits. The hook
+    saves on its triggers and at the end of every run (an interrupted run included), waits
+    for in-flight saves at the end of each run, when a run raises, and at interpreter exit,
+    and keeps the newest `keep` checkpoints plus the `keep_best` best by `best_metric` plus
+    every step that is a multiple of `keep_period`. A failed background save (a read-only
+    directory, a full disk) raises at the next step.
 
     Args:
       loop: the `loopax.Loop`.
@@ -428,27 +476,28 @@ def checkpoint(
       every_n_steps: also save after step k when `(k + 1) % every_n_steps == 0`, i.e. at
         global steps that are multiples of it.
       period_seconds: also save when this many seconds passed since the last periodic save.
-      best_metric: keep the best checkpoints by this metric: `"train/<metric>"` (a train
-        metric of the saving step, e.g. `"train/loss"`) or `"eval/<dataset>/<metric>"`, read
-        from `loop.shared_data["eval"][<dataset>][<metric>]` (the floats `hooks.evaluate`
-        leaves there, e.g. `"eval/test/mean_loss"`; ignored when `shared_data["eval_step"]`
-        says they were computed at another step). A save without the value counts only for
-        `keep` and `keep_period`. Evaluate at the steps you save, with a higher-priority
-        hook (`Priority.EVALUATE` runs before `Priority.CHECKPOINT`).
+      every_n_epochs: also save at the end of every n-th epoch of `run_epochs`.
+      best_metric: keep the best checkpoints by this metric, a key of `loop.history`:
+        `"train/<metric>"` (e.g. `"train/loss"`, the saving step's) or
+        `"eval/<dataset>/<metric>"` (e.g. `"eval/test/mean_loss"`: the evaluation of the
+        saving step, from `hooks.evaluate`). A save without the value counts only for
+        `keep` and `keep_period`.
       best_mode: `"min"` or `"max"`: whether lower or higher `best_metric` is better.
       keep_best: how many of the best checkpoints to keep.
       keep_period: keep every checkpoint whose step is a multiple of this, forever.
-      restore: restore the newest checkpoint now.
+      restore: True or `"latest"` restores the newest good checkpoint now; False or
+        `"never"` does not (and starts fresh even beside damaged checkpoints).
       async_save: save in the background (False blocks the loop until each save is written).
       clock: the clock of `period_seconds`, in seconds.
 
     Returns:
-      The `Checkpointer`, for `save()`, `restore(step)`, `latest_step()`, `all_steps()` and
-      `wait()`.
+      The `Checkpointer`, for `save()`, `restore(step)`, `restore_best()`, `best_step()`,
+      `latest_step()`, `all_steps()` and `wait()`.
 
     Raises:
-      ValueError: a bad count, `best_mode` or `best_metric`, or a directory holding
-        something that is not a loopax checkpoint.
+      ValueError: a bad count, `best_mode`, `best_metric` or `restore`, or a directory
+        holding something that is not a loopax checkpoint.
+      NoGoodCheckpointError: every checkpoint in the directory is damaged.
 
     Example:
       >>> import tempfile, numpy as np, optax, flax.linen as nn, loopax
@@ -465,24 +514,30 @@ def checkpoint(
       ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
       >>> loop = loopax.Loop(trainer)
       >>> checkpointer = checkpoint(loop, directory)
-      >>> trainer.global_step, loop.loop_step
-      (5, 5)
+      >>> trainer.global_step, loop.loop_step, trainer.params is not None
+      (5, 5, True)
     """
+    if restore not in (True, False, "latest", "never"):
+        raise ValueError(f"restore must be True, False, 'latest' or 'never', got {restore!r}")
+    schedules = [
+        schedule for schedule in (
+            None if every_n_steps is None else EveryNSteps(every_n_steps),
+            None if period_seconds is None else Periodic(period_seconds, clock),
+            None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
+        ) if schedule is not None
+    ]
     checkpointer = Checkpointer(
         loop, directory, keep=keep, best_metric=best_metric, best_mode=best_mode,
         keep_best=keep_best, keep_period=keep_period, async_save=async_save,
     )
-    if every_n_steps is not None:
-        _every_n_steps(loop, every_n_steps, "checkpoint", checkpointer._save_on_trigger,
-                       priority=Priority.CHECKPOINT)
-    if period_seconds is not None:
-        _periodic_callback(loop, period_seconds, "checkpoint", checkpointer._save_on_trigger,
-                           priority=Priority.CHECKPOINT, clock=clock)
+    for schedule in schedules:
+        register = loop.on_epoch_end if isinstance(schedule, EveryNEpochs) else loop.on_step
+        register(f"{schedule!r}: checkpoint", checkpointer._save_on_trigger, Priority.CHECKPOINT,
+                 when=schedule, check_finite=False)
     # Before the other start hooks, so that they see the restored dataset position.
     loop.on_start("checkpoint: restore position", checkpointer._on_start, Priority.VALIDATE)
-    loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT)
-    trainer = loop.trainer
-    if restore:
+    loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT, check_finite=False)
+    loop.on_error("checkpoint", checkpointer._on_error, Priority.CHECKPOINT)
+    if restore in (True, "latest"):
         checkpointer.restore()
-    trainer.add_state_initializer(checkpointer._on_state_created)
     return checkpointer

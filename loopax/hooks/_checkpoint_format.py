@@ -1,21 +1,14 @@
-"""The on-disk format of loopax checkpoints: the train state as a plain tree, and the layout.
+"""The on-disk layout of loopax checkpoints.
 
-The state is saved as nested dicts keyed by the names in the `TrainState` (`params`,
-`opt_state` with optax's field names, ...) rather than as the `TrainState` itself, so that it
-reads back into host arrays without knowing the model, onto any device count, and is then
-matched name by name against the model's fresh state.
+The state is saved in its plain form (`Trainer.state_dict()`: nested dicts keyed by the
+names in the `TrainState`), so that it reads back into host arrays without knowing the
+model, onto any device count, and is then matched name by name against the model's state.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import jax
-import numpy as np
-
-from ..trainer._state import TrainState
 
 FORMAT = "loopax.checkpoint"
 VERSION = 1
@@ -23,61 +16,6 @@ STATE_ITEM = "state"
 BUNDLE_ITEM = "loopax"
 DAMAGED_DIR = "damaged"
 TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-# -- the state as a plain tree --------------------------------------------------------------
-
-
-def _key_name(key: Any) -> str:
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
-def _plain_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in leaves]
-
-
-def to_plain(state: TrainState) -> dict:
-    """The state as nested dicts of arrays keyed by field names (optax namedtuples included)."""
-    plain: dict = {}
-    for path, leaf in _plain_paths(state):
-        node = plain
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = leaf
-    return plain
-
-
-def from_plain(template: TrainState, plain: dict, where: str) -> TrainState:
-    """Fills `template`'s structure with the arrays of `plain`, checking names, shapes, dtypes."""
-    template_paths = _plain_paths(template)
-    saved = {path: leaf for path, leaf in _plain_paths(plain)}
-    leaves = []
-    for path, leaf in template_paths:
-        name = "/".join(path)
-        if path not in saved:
-            raise ValueError(
-                f"{where} has no {name!r}, which the model needs; was it saved by another model "
-                "or optimizer? Use a new directory for a different model"
-            )
-        value = saved.pop(path)
-        if tuple(np.shape(value)) != tuple(np.shape(leaf)) or np.dtype(value.dtype) != np.dtype(leaf.dtype):
-            raise ValueError(
-                f"{where} holds {name!r} with shape {np.shape(value)} and dtype {value.dtype}, "
-                f"but the model has shape {np.shape(leaf)} and dtype {leaf.dtype}; use a new "
-                "directory for a different model"
-            )
-        leaves.append(value)
-    if saved:
-        extra = sorted("/".join(path) for path in saved)
-        raise ValueError(
-            f"{where} holds {extra[:5]} that the model lacks; was it saved by another model "
-            "or optimizer? Use a new directory for a different model"
-        )
-    return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
 def _step_of(entry: str) -> int | None:

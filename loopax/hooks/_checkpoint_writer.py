@@ -8,6 +8,10 @@ import threading
 from typing import Any, Callable
 
 
+class BackgroundSaveError(RuntimeError):
+    """A checkpoint save in the background failed; the message names the directory."""
+
+
 class BackgroundWriter:
     """Runs save functions on one worker thread, one save in flight at a time.
 
@@ -15,44 +19,77 @@ class BackgroundWriter:
     directories, metadata) whatever the state's size; making that call here leaves the
     training thread only the copy of the state off the device. `submit` first waits for
     the previous save, so memory holds at most one extra copy of the state and a save is
-    committed before the next one starts.
+    committed before the next one starts. A failed save is reported to `on_failure` from
+    the worker thread as soon as it fails (the loop raises it at its next step), and raised
+    by the next `wait` unless it was reported there already.
     """
 
-    def __init__(self, where: str, *, in_background: bool = True):
+    def __init__(
+        self,
+        where: str,
+        *,
+        in_background: bool = True,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ):
         self.where = where
         self.in_background = bool(in_background)
+        self.on_failure = on_failure
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="loopax-checkpoint"
         )
         self._pending: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+
+    def _error(self, err: BaseException) -> BackgroundSaveError:
+        error = BackgroundSaveError(
+            f"saving a checkpoint to {self.where!r} failed: {type(err).__name__}: {err}"
+        )
+        error.__cause__ = err
+        return error
+
+    def _run(self, save: Callable[..., None], args: tuple) -> None:
+        try:
+            save(*args)
+        except BaseException as err:
+            error = self._error(err)
+            if self.on_failure is not None:
+                self.on_failure(error)
+            raise error from err
 
     def submit(self, save: Callable[..., None], *args: Any) -> None:
         """Runs `save(*args)` in the background (or now, when not `in_background`)."""
         self.wait()
         if self.in_background:
-            self._pending.append(self._pool.submit(save, *args))
+            with self._lock:
+                self._pending.append(self._pool.submit(self._run, save, args))
         else:
-            save(*args)
+            try:
+                save(*args)
+            except Exception as err:
+                raise self._error(err) from err
+
+    def busy(self) -> bool:
+        """Whether a save is still in flight."""
+        with self._lock:
+            return any(not future.done() for future in self._pending)
 
     def wait(self) -> None:
         """Blocks until the submitted saves are done.
 
         Raises:
-          RuntimeError: a save failed (the original error is chained).
+          BackgroundSaveError: a save failed (the original error is chained).
         """
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         for future in pending:
-            try:
-                future.result()
-            except Exception as err:
-                raise RuntimeError(
-                    f"saving a checkpoint to {self.where!r} failed: {type(err).__name__}: {err}"
-                ) from err
+            future.result()
 
     def close(self) -> None:
         """Waits for the saves and stops the worker thread."""
-        self.wait()
-        self._pool.shutdown(wait=True)
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def wait_at_exit(wait: Callable[[], None]) -> None:

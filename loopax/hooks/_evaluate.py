@@ -1,12 +1,9 @@
-"""Periodic evaluation shared by every hook, and the GoMLX-style evaluation report.
+"""Scheduled evaluation, and the GoMLX-style evaluation report.
 
-Evaluations are stored in `loop.shared_data`, so that TensorBoard, plots, metrics logs and the
-checkpoint's best-metric retention reuse them and each dataset is evaluated at most once per
-step, whichever hook asks first:
-
-- `loop.shared_data["eval"]`: `{dataset name: {eval metric name: float}}`, the results at
-- `loop.shared_data["eval_step"]`: the trainer's `global_step` when they were computed. When a
-  hook evaluates at a new global step, `"eval"` is replaced by a fresh dict.
+`evaluate` runs `loop.evaluate(dataset)` on a schedule: each dataset is evaluated at most
+once per global step whoever asks, and each evaluation is published once, as an
+`Evaluation` record, to every OnEvaluation hook (TensorBoard, metrics_log, plot, early
+stopping, plateau) and into `loop.history` (`"eval/<dataset>/<metric>"`).
 """
 
 from __future__ import annotations
@@ -14,23 +11,16 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from ..trainer._datasets import dataset_name
+from ..trainer._history import Evaluation
 from ..trainer._hooks import Priority
+from ..trainer._loop import Loop
 from ._metric_info import eval_metric_infos, is_writer_process
-from ._triggers import every_n_steps as _every_n_steps
-from ._triggers import n_times_during_loop as _n_times_during_loop
+from ._triggers import EveryNEpochs, EveryNSteps, NTimes, on_schedule
 
-EVAL_KEY = "eval"
-EVAL_STEP_KEY = "eval_step"
-
-
-def _dataset_name(dataset: Any) -> str:
-    name = getattr(dataset, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(
-            f"dataset {dataset!r} needs a non-empty str `name` so its results can be stored and "
-            "shown under it; e.g. ArrayDataset(..., name='test')"
-        )
-    return name
+# `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule
+# (a plot then uses those evaluations instead of running its own).
+EVALUATED_DATASETS = "evaluated_datasets"
 
 
 def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]:
@@ -52,7 +42,7 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
                 f"{argument} must hold loopax datasets (with yield_batch() and reset()), got "
                 f"{type(dataset).__name__}"
             )
-        name = _dataset_name(dataset)
+        name = dataset_name(dataset)
         if name in names:
             raise ValueError(
                 f"two {argument} are named {name!r}; results are stored by dataset name, so give "
@@ -60,55 +50,6 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
             )
         names.append(name)
     return datasets
-
-
-def evaluate_once(loop: Any, dataset: Any) -> dict[str, float]:
-    """Evaluates `dataset` at the current global step, or returns the stored results.
-
-    Args:
-      loop: the `loopax.Loop`.
-      dataset: a dataset with a `name`.
-
-    Returns:
-      `{eval metric name: float}`, also stored in `loop.shared_data["eval"][dataset.name]`.
-    """
-    shared = loop.shared_data
-    global_step = loop.trainer.global_step
-    if shared.get(EVAL_STEP_KEY) != global_step or not isinstance(shared.get(EVAL_KEY), dict):
-        shared[EVAL_KEY] = {}
-        shared[EVAL_STEP_KEY] = global_step
-    name = _dataset_name(dataset)
-    results = shared[EVAL_KEY].get(name)
-    if results is None:
-        results = loop.trainer.evaluate(dataset)
-        shared[EVAL_KEY][name] = results
-    return results
-
-
-class EvalWatcher:
-    """Finds evaluations stored in `loop.shared_data` that a writer has not written yet.
-
-    Costs a few dict lookups per call, no device access: writers call it every step.
-    """
-
-    def __init__(self) -> None:
-        self._step: int | None = None
-        self._seen: set[str] = set()
-
-    def new_results(self, loop: Any) -> tuple[int, dict[str, dict[str, float]]]:
-        """Returns `(eval_step, {dataset name: results})` of the results not seen before."""
-        shared = loop.shared_data
-        step = shared.get(EVAL_STEP_KEY)
-        results = shared.get(EVAL_KEY)
-        if step is None or not isinstance(results, dict):
-            return -1, {}
-        if step != self._step:
-            self._step, self._seen = step, set()
-        if len(results) == len(self._seen):
-            return step, {}
-        new = {name: values for name, values in results.items() if name not in self._seen}
-        self._seen.update(new)
-        return step, new
 
 
 def format_results(trainer: Any, name: str, results: dict[str, float]) -> str:
@@ -125,11 +66,9 @@ class Evaluator:
 
     Attributes:
       datasets: the datasets evaluated, in order.
-      history: `[(global_step, {dataset name: {metric: float}}), ...]`, one entry per
-        evaluation this object ran or reused.
+      history: `[(global_step, {dataset name: {metric: float}}), ...]`, one entry per step
+        this object evaluated at.
     """
-
-    checks_finite_lazily = True
 
     def __init__(self, datasets: tuple[Any, ...], print_results: bool, file: TextIO | None):
         self.datasets = datasets
@@ -137,44 +76,49 @@ class Evaluator:
         self.file = file
         self.history: list[tuple[int, dict[str, dict[str, float]]]] = []
 
-    def __call__(self, loop: Any, metrics: Any = None) -> dict[str, dict[str, float]]:
-        """Evaluates every dataset now (reusing results already computed at this step)."""
+    def __call__(self, loop: Loop, metrics: Any = None) -> dict[str, Evaluation]:
+        """Evaluates every dataset now (each at most once per global step)."""
         del metrics
-        results = {_dataset_name(ds): evaluate_once(loop, ds) for ds in self.datasets}
+        evaluations = {dataset_name(ds): loop.evaluate(ds) for ds in self.datasets}
         step = loop.trainer.global_step
         if not self.history or self.history[-1][0] != step:
-            self.history.append((step, results))
+            self.history.append((step, {n: dict(e.values) for n, e in evaluations.items()}))
             if self.print_results and is_writer_process():
-                text = "\n".join(format_results(loop.trainer, n, r) for n, r in results.items())
+                text = "\n".join(
+                    format_results(loop.trainer, n, dict(e.values)) for n, e in evaluations.items()
+                )
                 print(f"Step {step}:\n{text}", file=self.file or sys.stdout, flush=True)
-        return results
+        return evaluations
 
 
 def evaluate(
-    loop: Any,
+    loop: Loop,
     datasets: Any,
     *,
     every_n_steps: int | None = None,
     n_times: int | None = None,
+    every_n_epochs: int | None = None,
     call_on_end: bool = True,
     print_results: bool = False,
     file: TextIO | None = None,
     priority: int = Priority.EVALUATE,
 ) -> Evaluator:
-    """Evaluates `datasets` periodically with `trainer.evaluate`, sharing the results.
+    """Evaluates `datasets` on a schedule with `loop.evaluate`, publishing each result once.
 
-    Results go to `loop.shared_data["eval"][dataset.name]` (`{metric name: float}`) with
-    `loop.shared_data["eval_step"]` the global step they belong to; TensorBoard, plots, metrics
-    logs and best-checkpoint retention read them there, and any hook that evaluates the same
-    dataset at the same step reuses them instead of evaluating again. Runs in the `EVALUATE`
-    priority band, before checkpoints and logs of the same step. Every process evaluates (it is
-    a collective computation); only process 0 prints.
+    Each evaluation is an `Evaluation` record (global step, dataset name, metric values)
+    handed to every OnEvaluation hook (TensorBoard, metrics_log, plot, early stopping,
+    plateau, ...) and recorded in `loop.history` as `"eval/<dataset>/<metric>"`; the
+    checkpoint's best-metric retention reads it there. A dataset is evaluated at most once
+    per global step whichever schedule or hook asks. Runs in the `EVALUATE` priority band,
+    before checkpoints and logs of the same step. Every process evaluates (it is a
+    collective computation); only process 0 prints.
 
     Args:
       loop: the `loopax.Loop`.
       datasets: one dataset or a sequence of them, each with a unique `name`.
       every_n_steps: evaluate after step k iff `(k + 1) % every_n_steps == 0`.
       n_times: evaluate this many times per run, evenly, the last step included.
+      every_n_epochs: evaluate at the end of every n-th epoch of `run_epochs`.
       call_on_end: also evaluate at the end of every run (reusing the last step's results
         when an evaluation already ran there).
       print_results: print each evaluation in the `report_eval` format.
@@ -185,8 +129,8 @@ def evaluate(
       The `Evaluator`; its `history` holds every evaluation.
 
     Raises:
-      ValueError: no schedule (`every_n_steps`, `n_times` and `call_on_end` all unset), a bad
-        `every_n_steps`/`n_times`, or datasets without unique names.
+      ValueError: no schedule (all of `every_n_steps`, `n_times`, `every_n_epochs` unset and
+        `call_on_end` False), a bad count, or datasets without unique names.
       TypeError: an element of `datasets` is not a dataset.
 
     Example:
@@ -199,25 +143,31 @@ def evaluate(
       >>> loop = loopax.Loop(trainer)
       >>> evaluator = loopax.hooks.evaluate(loop, test, every_n_steps=2)
       >>> _ = loop.run_steps(train, 4)
-      >>> [step for step, _ in evaluator.history], sorted(loop.shared_data["eval"])
-      ([2, 4], ['test'])
+      >>> [step for step, _ in evaluator.history], [s for s, _ in loop.history["eval/test/mean_loss"]]
+      ([2, 4], [2, 4])
     """
     datasets = check_datasets(datasets)
     if not datasets:
         raise ValueError("evaluate needs at least one dataset to evaluate")
-    if every_n_steps is None and n_times is None and not call_on_end:
+    if every_n_steps is None and n_times is None and every_n_epochs is None and not call_on_end:
         raise ValueError(
-            "evaluate has no schedule: pass every_n_steps=..., n_times=... or call_on_end=True"
+            "evaluate has no schedule: pass every_n_steps=..., n_times=..., every_n_epochs=... "
+            "or call_on_end=True"
         )
+    schedules = [
+        schedule(count) for schedule, count in
+        ((EveryNSteps, every_n_steps), (NTimes, n_times), (EveryNEpochs, every_n_epochs))
+        if count is not None
+    ]
     evaluator = Evaluator(datasets, print_results, file)
-    names = ", ".join(_dataset_name(ds) for ds in datasets)
-    hook_name = f"evaluate({names})"
-    if every_n_steps is not None:
-        _every_n_steps(loop, every_n_steps, hook_name, evaluator, priority=priority)
-    if n_times is not None:
-        _n_times_during_loop(loop, n_times, hook_name, evaluator, priority=priority)
+    hook_name = f"evaluate({', '.join(dataset_name(ds) for ds in datasets)})"
+    for schedule in schedules:
+        on_schedule(loop, schedule, hook_name, evaluator, priority=priority)
     if call_on_end:
-        loop.on_end(hook_name, evaluator, priority=priority)
+        loop.on_end(hook_name, evaluator, priority=priority, check_finite=False)
+    if schedules or call_on_end:
+        covered = loop.shared_data.setdefault(EVALUATED_DATASETS, set())
+        covered.update(dataset_name(ds) for ds in datasets)
     return evaluator
 
 
@@ -242,7 +192,7 @@ def report_eval(trainer: Any, *datasets: Any, file: TextIO | None = None) -> dic
     datasets = check_datasets(datasets)
     all_results: dict[str, dict[str, float]] = {}
     for dataset in datasets:
-        name = _dataset_name(dataset)
+        name = dataset_name(dataset)
         results = trainer.evaluate(dataset)
         dataset.reset()
         all_results[name] = results

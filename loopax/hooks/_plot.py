@@ -11,19 +11,19 @@ import importlib
 import math
 import os
 import re
-from typing import Any
-
-import jax
+from typing import Any, Mapping
 
 from ..trainer._hooks import Priority
-from ._evaluate import EvalWatcher, check_datasets, evaluate_once
+from ..trainer._loop import Loop
+from ._evaluate import EVALUATED_DATASETS, check_datasets
 from ._metric_info import is_writer_process
-from ._points import Point, PointsFile, eval_points, train_points
-from ._triggers import exponential_callback
+from ._points import Point, PointsFile, points_of
+from ._triggers import Exponential, on_schedule
+from ._writers import MetricWriter, write_metrics
 
 POINTS_FILE_NAME = "plot_points.jsonl"
 _ACCURACY_TYPE = "accuracy"
-_TRAIN_PREFIX = "Train: "
+_TRAIN_PREFIX = "train/"
 
 
 def _require_matplotlib() -> None:
@@ -94,72 +94,52 @@ def render_plots(points: list[Point], directory: str) -> list[str]:
     return paths
 
 
-class Plotter:
+class Plotter(MetricWriter):
     """Collects metric points and renders them; created by `plot`.
 
     Attributes:
       directory: where the points file and the PNGs are.
       points_path: the JSON-lines file of points.
       points: every point so far, those of earlier runs in the directory included.
-      trigger: the `ExponentialTrigger` that schedules it.
       png_paths: the PNGs written by the last render.
 
     PNGs render in a background thread (matplotlib takes a fraction of a second per figure),
-    the latest points superseding a render not yet started; the end of each run waits for it.
+    the latest points superseding a render not yet started; `flush()` (at the end of each
+    run) waits for it.
     """
 
-    checks_finite_lazily = True
-
-    def __init__(self, directory: str, eval_datasets: tuple[Any, ...], render: bool):
+    def __init__(self, directory: str, trainer: Any, render: bool):
         self.directory = directory
-        self.eval_datasets = eval_datasets
+        self.trainer = trainer
         self.render_pngs = render
         self.points_path = os.path.join(directory, POINTS_FILE_NAME)
-        self.points: list[Point] = []
-        self.png_paths: list[str] = []
-        self.trigger: Any = None
         self._file = PointsFile(self.points_path, "jsonl")
-        self._watcher = EvalWatcher()
-        self._run_index: int | None = None
-        self._last_train_step = -1
+        self.points: list[Point] = self._file.read()
+        self.png_paths: list[str] = []
         self._renderer: concurrent.futures.ThreadPoolExecutor | None = None
         self._renders: list[concurrent.futures.Future] = []
         self._render_generation = 0
 
-    def _start_run_if_new(self, loop: Any) -> None:
-        if loop.run_index == self._run_index:
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        points = points_of(self.trainer, step, scalars)
+        if not points:
             return
-        self._run_index = loop.run_index
-        # Resuming from a checkpoint: the steps after it run again, so drop their points.
-        self.points = self._file.truncate_after(loop.trainer.global_step - 1)
-
-    def _append(self, points: list[Point]) -> None:
         self._file.append(points)
         self.points += points
-
-    def _collect_evaluations(self, loop: Any) -> None:
-        step, new = self._watcher.new_results(loop)
-        for name, results in new.items():
-            self._append(eval_points(loop.trainer, name, results, step))
-
-    def watch(self, loop: Any, metrics: Any) -> None:
-        """Every step: records evaluations that other hooks stored (no device access)."""
-        del metrics
-        self._start_run_if_new(loop)
-        self._collect_evaluations(loop)
-
-    def collect(self, loop: Any, metrics: Any) -> None:
-        """Records the train metrics, evaluates the eval datasets and renders the PNGs."""
-        self._start_run_if_new(loop)
-        step = loop.trainer.global_step
-        if metrics and step != self._last_train_step:
-            self._last_train_step = step
-            self._append(train_points(loop.trainer, jax.device_get(metrics), step))
-        for dataset in self.eval_datasets:
-            evaluate_once(loop, dataset)
-        self._collect_evaluations(loop)
         if self.render_pngs:
             self._request_render()
+
+    def truncate_after(self, step: int) -> None:
+        self.points = self._file.truncate_after(step)
+
+    def flush_async(self) -> Any:
+        """The points are in their file as soon as they are written: nothing to wait for."""
+        self._check_renders(wait=False)
+        return lambda: None
+
+    def flush(self) -> None:
+        """Waits until the PNGs of the points so far are written."""
+        self._check_renders(wait=True)
 
     def _request_render(self) -> None:
         self._check_renders(wait=False)
@@ -185,9 +165,8 @@ class Plotter:
                 pending.append(future)
         self._renders = pending
 
-    def wait(self, loop: Any = None, metrics: Any = None) -> None:
-        """Waits until the PNGs of the points so far are written (an OnEnd hook)."""
-        del loop, metrics
+    def wait(self) -> None:
+        """Waits until the PNGs of the points so far are written."""
         self._check_renders(wait=True)
 
     def render(self) -> list[str]:
@@ -197,8 +176,26 @@ class Plotter:
         return self.png_paths
 
 
+class _OwnEvaluations:
+    """Evaluates the plot's datasets that no `hooks.evaluate` covers, on the plot's steps."""
+
+    def __init__(self, datasets: tuple[Any, ...]):
+        self.datasets = datasets
+        self.own: tuple[Any, ...] = datasets
+
+    def on_start(self, loop: Loop, dataset: Any) -> None:
+        del dataset
+        covered = loop.shared_data.get(EVALUATED_DATASETS, set())
+        self.own = tuple(ds for ds in self.datasets if ds.name not in covered)
+
+    def __call__(self, loop: Loop, metrics: Any) -> None:
+        del metrics
+        for dataset in self.own:
+            loop.evaluate(dataset)
+
+
 def plot(
-    loop: Any,
+    loop: Loop,
     directory: str | os.PathLike,
     *,
     eval_datasets: Any = (),
@@ -209,16 +206,16 @@ def plot(
 ) -> Plotter:
     """Plots train and eval metrics on an exponential schedule: dense early, sparse later.
 
-    At the steps of `exponential_callback(start_step, factor)` and at the end of every run, it
-    reads the train metrics, evaluates `eval_datasets` (reusing any evaluation already run at
-    that step, e.g. by `evaluate`), appends the points to `<directory>/plot_points.jsonl` and
-    renders one PNG per metric type (`loss.png`, `accuracy.png`, ...) with train and eval series
-    on a log-scaled step axis. Evaluations that `evaluate` stores at other steps are added to the
-    curves too. Points are JSON lines `{"metric", "short", "type", "step", "value"}` with train
-    series `Train: <metric>` and eval series `<metric> on <dataset>`; `step` is the global step;
-    non-finite values are skipped. Resuming into the same directory continues the curves (points
-    of the steps that run again are dropped first). Only process 0 writes; every process
-    evaluates.
+    At the steps of `Exponential(start_step, factor)` and at the end of every run it writes
+    the train metrics; every evaluation published on the loop is plotted too. The datasets
+    of `eval_datasets` are evaluated on the plot's steps only when no `hooks.evaluate`
+    covers them (otherwise its scheduled evaluations are the ones plotted). Points are
+    appended to `<directory>/plot_points.jsonl` as JSON lines `{"metric", "short", "type",
+    "step", "value"}`, `metric` being the key every writer and `loop.history` use
+    (`train/loss`, `eval/test/Accuracy`); one PNG per metric type (`loss.png`,
+    `accuracy.png`, ...) shows train and eval series on a log-scaled step axis. Resuming
+    into the same directory continues the curves (points of the steps that run again are
+    dropped first). Only process 0 writes; every process evaluates.
 
     Args:
       loop: the `loopax.Loop`.
@@ -237,42 +234,18 @@ def plot(
       ValueError: bad `start_step`/`factor`, or eval datasets without unique names.
     """
     eval_datasets = check_datasets(eval_datasets, "eval_datasets")
+    schedule = Exponential(start_step, factor)
     if render:
         _require_matplotlib()
     directory = os.fspath(directory)
-    plotter = Plotter(directory, eval_datasets, render)
-    writer = is_writer_process()
-    if writer:
+    plotter = Plotter(directory, loop.trainer, render)
+    name = f"plot({directory})"
+    if eval_datasets:
+        own = _OwnEvaluations(eval_datasets)
+        loop.on_start(f"{name}: evaluations", own.on_start, Priority.EVALUATE)
+        on_schedule(loop, Exponential(start_step, factor), f"{name}: evaluate", own,
+                    call_on_end=True, priority=Priority.EVALUATE)
+    if is_writer_process():
         os.makedirs(directory, exist_ok=True)
-    # Every process runs the schedule (evaluations are collective); only process 0 writes.
-    collect = plotter.collect if writer else _evaluate_only(plotter)
-    plotter.trigger = exponential_callback(
-        loop, start_step, factor, f"plot({directory})", collect, call_on_end=True, priority=priority
-    )
-    if writer:
-        watch = _LazyHook(plotter.watch)
-        loop.on_step(f"plot({directory}): evaluations", watch, priority=priority)
-        # Registered after the trigger's OnEnd hook, so it waits for the final render.
-        loop.on_end(f"plot({directory}): wait for the PNGs", plotter.wait, priority=priority)
+    write_metrics(loop, plotter, when=schedule, name=name, priority=priority)
     return plotter
-
-
-class _LazyHook:
-    """Wraps a hook that reads no device value, so the loop does not check the loss before it."""
-
-    checks_finite_lazily = True
-
-    def __init__(self, fn: Any):
-        self.fn = fn
-
-    def __call__(self, loop: Any, metrics: Any) -> Any:
-        return self.fn(loop, metrics)
-
-
-def _evaluate_only(plotter: Plotter) -> Any:
-    def evaluate_datasets(loop: Any, metrics: Any) -> None:
-        del metrics
-        for dataset in plotter.eval_datasets:
-            evaluate_once(loop, dataset)
-
-    return evaluate_datasets

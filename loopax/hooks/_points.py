@@ -1,9 +1,10 @@
 """Metric points, as the plot and metrics-log hooks write them.
 
-A point is `{"metric": ..., "short": ..., "type": ..., "step": global_step, "value": ...}`;
-train series are named `Train: <metric>`, eval series `<metric> on <dataset>`; non-finite values
-are skipped (SEMANTICS.md, "Metrics pretty-printing and reports"). `PointsFile` appends them to
-a JSON-lines or CSV file and, on resume, drops the points of steps that will be run again.
+A point is `{"metric": key, "short": ..., "type": ..., "step": global_step, "value": ...}`
+where `key` is the one name of the metric everywhere (`"train/loss"`,
+`"eval/test/Accuracy"`); non-finite values are skipped. `PointsFile` appends them to a
+JSON-lines or CSV file (each append is in the OS's hands when it returns, so it survives
+the process being killed) and, on resume, drops the points of steps that will be run again.
 """
 
 from __future__ import annotations
@@ -15,40 +16,24 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
-from ._metric_info import eval_metric_infos, train_metric_infos
+from ._metric_info import describe_key
 
 Point = dict[str, Any]
 FIELDS = ("metric", "short", "type", "step", "value")
 FORMATS = ("jsonl", "csv")
 
 
-def train_points(trainer: Any, host_metrics: Mapping[str, Any], step: int) -> list[Point]:
-    """Points for the train metrics (host values, keyed as `train_step` returns them)."""
-    return _points(train_metric_infos(trainer), host_metrics, step, "Train: {name}", "{short}")
-
-
-def eval_points(trainer: Any, dataset_name: str, results: Mapping[str, float], step: int) -> list[Point]:
-    """Points for one dataset's evaluation results."""
-    return _points(
-        eval_metric_infos(trainer),
-        results,
-        step,
-        "{name} on " + dataset_name.replace("{", "{{").replace("}", "}}"),
-        "{short}",
-    )
-
-
-def _points(infos, values, step: int, name_format: str, short_format: str) -> list[Point]:
+def points_of(trainer: Any, step: int, scalars: Mapping[str, float]) -> list[Point]:
+    """One point per finite scalar (`{key: value}`), described by its key."""
     points = []
-    for info in infos:
-        if info.key not in values:
-            continue
-        value = float(values[info.key])
+    for key, value in scalars.items():
+        value = float(value)
         if not math.isfinite(value):
             continue
+        info = describe_key(trainer, key)
         points.append({
-            "metric": name_format.format(name=info.name),
-            "short": short_format.format(short=info.short_name),
+            "metric": key,
+            "short": info.short_name,
             "type": info.metric_type,
             "step": int(step),
             "value": value,

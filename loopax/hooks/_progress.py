@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Any, Callable, TextIO
 
-import jax
-
 from ..trainer._hooks import Priority
+from ..trainer._loop import Loop
 from ._metric_info import is_writer_process, train_metric_infos
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
+_NO_BAR_FORMAT = "{percentage:3.0f}% {status}"
 _UNKNOWN_TOTAL_FORMAT = "{status}"
+_MIN_BAR = 10  # columns: a narrower bar says nothing, so the metrics get its room
 
 
 class Throughput:
@@ -47,10 +49,10 @@ class Throughput:
         """Marks the current interval as including a compilation."""
         self._compiled = True
 
-    def step_done(self, now: float) -> None:
-        """Ends one step's interval; counts it unless it included a compilation."""
+    def step_done(self, now: float, steps: int = 1) -> None:
+        """Ends an interval of `steps` steps; counts it unless it included a compilation."""
         if self._last is not None and not self._compiled:
-            self.counted_steps += 1
+            self.counted_steps += steps
             self.counted_seconds += now - self._last
         self._last = now
         self._compiled = False
@@ -101,10 +103,6 @@ class ProgressBar:
       bar: the tqdm bar of the current run, or None.
     """
 
-    # Reads the device only when it refreshes, so the loop must not check the loss before it
-    # every step.
-    checks_finite_lazily = True
-
     def __init__(
         self,
         trainer: Any,
@@ -125,6 +123,7 @@ class ProgressBar:
         self._bar_class = _bar_class(notebook)
         self._infos = train_metric_infos(trainer)
         self._last_refresh = float("-inf")
+        self._refreshed_step = 0
         self._end_step = -1
 
     def on_exec_creation(self, info: Any) -> None:
@@ -132,7 +131,7 @@ class ProgressBar:
         del info
         self.throughput.compiled()
 
-    def on_start(self, loop: Any, dataset: Any) -> None:
+    def on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
         self._close_bar()
         self._end_step = loop.end_step
@@ -152,8 +151,9 @@ class ProgressBar:
             bar_format=_KNOWN_TOTAL_FORMAT if known else _UNKNOWN_TOTAL_FORMAT,
         )
         self._last_refresh = float("-inf")
+        self._refreshed_step = loop.start_step
 
-    def status(self, loop: Any, steps_done: int, host_metrics: dict[str, Any] | None) -> str:
+    def status(self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None) -> str:
         """The text after the bar: `step k of N [r steps/s, ETA t] metrics`."""
         total = "?" if loop.end_step < 0 else str(loop.end_step)
         rate = self.throughput.steps_per_second()
@@ -172,34 +172,57 @@ class ProgressBar:
             )
         return text
 
-    def _refresh(self, loop: Any, metrics: Any, steps_done: int, display: bool = True) -> None:
+    def _width(self) -> int:
+        columns = getattr(self.bar, "ncols", None)
+        if not columns:
+            columns = shutil.get_terminal_size((80, 24)).columns
+        return int(columns)
+
+    def _fit(self, known_total: bool, status: str) -> str:
+        """The bar format for the width: the bar goes before any metric value is cut."""
+        if not known_total:
+            return _UNKNOWN_TOTAL_FORMAT
+        width = self._width()
+        if len("100%|| ") + _MIN_BAR + len(status) <= width:
+            return _KNOWN_TOTAL_FORMAT
+        if len("100% ") + len(status) <= width:
+            return _NO_BAR_FORMAT
+        return _UNKNOWN_TOTAL_FORMAT
+
+    def _refresh(self, loop: Loop, steps_done: int, display: bool = True) -> None:
         bar = self.bar
         if loop.end_step != self._end_step:
             # run_epochs learned the length of the run at the end of the first epoch.
             self._end_step = loop.end_step
             bar.total = loop.end_step if loop.end_step >= 0 else None
-            bar.bar_format = _KNOWN_TOTAL_FORMAT if loop.end_step >= 0 else _UNKNOWN_TOTAL_FORMAT
-        host_metrics = jax.device_get(dict(metrics)) if self.show_metrics and metrics else None
+        host_metrics = loop.host_metrics() if self.show_metrics else None
         bar.n = steps_done
         bar.status = self.status(loop, steps_done, host_metrics)
+        bar.bar_format = self._fit(loop.end_step >= 0, bar.status)
         if display:
             bar.refresh()
 
-    def __call__(self, loop: Any, metrics: Any) -> None:
-        """The OnStep hook: times the step, refreshes the bar every `refresh_seconds`."""
-        if self.bar is None:
-            return
+    def __call__(self, loop: Loop, metrics: Any) -> None:
+        """The OnStep hook: refreshes the bar every `refresh_seconds` (one clock reading on
+        the other steps)."""
         now = self.clock()
-        self.throughput.step_done(now)
-        if now - self._last_refresh >= self.refresh_seconds:
-            self._last_refresh = now
-            self._refresh(loop, metrics, loop.loop_step + 1)
+        if now - self._last_refresh < self.refresh_seconds or self.bar is None:
+            return
+        self._last_refresh = now
+        steps_done = loop.loop_step + 1
+        self.throughput.step_done(now, steps_done - self._refreshed_step)
+        self._refreshed_step = steps_done
+        self._refresh(loop, steps_done)
 
-    def on_end(self, loop: Any, metrics: Any) -> None:
+    def on_end(self, loop: Loop, metrics: Any) -> None:
         if self.bar is None:
             return
         # close() displays the final state once more: no refresh of our own.
-        self._refresh(loop, metrics, loop.trainer.global_step, display=False)
+        steps_done = loop.trainer.global_step
+        if steps_done != self._refreshed_step:
+            self.throughput.step_done(self.clock(), steps_done - self._refreshed_step)
+            self._refreshed_step = steps_done
+        self._refresh(loop, steps_done, display=False)
         self._close_bar()
 
     def _close_bar(self) -> None:
@@ -209,7 +232,7 @@ class ProgressBar:
 
 
 def progress_bar(
-    loop: Any,
+    loop: Loop,
     *,
     refresh_seconds: float = 0.2,
     show_metrics: bool = True,
@@ -258,6 +281,6 @@ def progress_bar(
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
-        loop.on_step("progress_bar", progress, priority=priority)
-        loop.on_end("progress_bar", progress.on_end, priority=priority)
+        loop.on_step("progress_bar", progress, priority=priority, check_finite=False)
+        loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
     return progress

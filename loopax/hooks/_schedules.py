@@ -1,9 +1,9 @@
-"""Pure trigger schedules: *when* a hook fires, separate from *what* it does.
+"""Pure trigger rules: *when* a hook fires, separate from *what* it does.
 
-Each schedule answers one question over integers (steps) or seconds, with no reference to a
-`Loop`, so every ready hook (checkpoint, tensorboard, plot, ...) reuses the same rules instead
-of re-implementing a step counter. `loopax.hooks.every_n_steps` and friends wrap them into loop
-hooks.
+Each rule answers one question over integers (steps) or seconds, with no reference to a
+`Loop`. The loop-facing schedules of `_triggers` (`EveryNSteps`, `NTimes`, ...) wrap them, so
+every ready hook (checkpoint, tensorboard, plot, ...) reuses the same rules instead of
+re-implementing a step counter.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Iterator
 
-# Points at which `NTimes` fires while the length of the run is unknown: done = 128, 256, ...
+# Points at which `NTimesRule` fires while the length of the run is unknown: done = 128, 256, ...
 _FIRST_POINT_WHILE_END_UNKNOWN = 128
 
 
@@ -38,7 +38,7 @@ def round_half_away_from_zero(value: float) -> int:
     return int(math.copysign(math.floor(abs(value) + 0.5), value))
 
 
-class EveryNSteps:
+class EveryNStepsRule:
     """Fires at step k iff `(k + 1) % n == 0`: aligned to the global step, so resumes agree.
 
     Stateless: a resumed run fires at the same steps as an uninterrupted one.
@@ -50,7 +50,7 @@ class EveryNSteps:
       ValueError: if `n` is not a positive int.
 
     Example:
-      >>> schedule = EveryNSteps(10)
+      >>> schedule = EveryNStepsRule(10)
       >>> [step for step in range(35) if schedule.should_fire(step)]
       [9, 19, 29]
     """
@@ -63,10 +63,10 @@ class EveryNSteps:
         return (step + 1) % self.n == 0
 
     def __repr__(self) -> str:
-        return f"EveryNSteps({self.n})"
+        return f"EveryNStepsRule({self.n})"
 
 
-class NTimes:
+class NTimesRule:
     """Fires at most `n` times per run, split evenly, always at the last step of the run.
 
     For a run of `total_steps` known steps, fires when `steps_done` (1-based count of steps run
@@ -83,7 +83,7 @@ class NTimes:
       ValueError: if `n` is not a positive int.
 
     Example:
-      >>> schedule = NTimes(3)
+      >>> schedule = NTimesRule(3)
       >>> [done - 1 for done in range(1, 11) if schedule.should_fire(done, 10)]
       [3, 6, 9]
       >>> schedule.points(10)
@@ -114,21 +114,41 @@ class NTimes:
         i = (steps_done - 1) * self.n // total_steps + 1
         return -(-i * total_steps // self.n) == steps_done
 
+    def next_point(self, steps_done: int, total_steps: int | None) -> int | None:
+        """The smallest firing `steps_done` value `>= steps_done`, or None when none is left.
+
+        Example:
+          >>> NTimesRule(3).next_point(5, 10), NTimesRule(3).next_point(11, 10)
+          (7, None)
+          >>> NTimesRule(3).next_point(1, None)
+          128
+        """
+        steps_done = max(steps_done, 1)
+        if total_steps is None:
+            point = _FIRST_POINT_WHILE_END_UNKNOWN
+            while point < steps_done:
+                point *= 2
+            return point
+        if steps_done > total_steps:
+            return None
+        i = (steps_done - 1) * self.n // total_steps + 1
+        return -(-i * total_steps // self.n)
+
     def points(self, total_steps: int) -> list[int]:
         """The `steps_done` values at which a run of `total_steps` steps fires, ascending."""
         return sorted({-(-i * total_steps // self.n) for i in range(1, self.n + 1)} - {0})
 
     def __repr__(self) -> str:
-        return f"NTimes({self.n})"
+        return f"NTimesRule({self.n})"
 
 
-class Exponential:
+class ExponentialRule:
     """An absolute grid of steps whose gaps grow by `factor`: start_step, then ever wider.
 
     The grid starts at `next = 0, gap = start_step`; advancing does `next += gap;
     gap = round_half_away_from_zero(gap * factor)`. `start_run(first_step)` positions it on the
-    first grid point after `first_step`, so a resumed run lands on the same grid as an
-    uninterrupted one; `should_fire(step)` fires (and advances once) when `step` reached the next
+    first grid point at or after `first_step`, so a resumed run lands on the same grid as an
+    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)` fires (and advances once) when `step` reached the next
     point, so a schedule far behind catches up one call at a time.
 
     Args:
@@ -139,7 +159,7 @@ class Exponential:
       ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
 
     Example:
-      >>> schedule = Exponential(100, 1.2)
+      >>> schedule = ExponentialRule(100, 1.2)
       >>> schedule.start_run(0)
       >>> [step for step in range(1000) if schedule.should_fire(step)]
       [100, 220, 364, 537, 745, 995]
@@ -168,11 +188,13 @@ class Exponential:
     def start_run(self, first_step: int) -> None:
         """Positions the grid for a run whose first step is `first_step`.
 
-        Advances from the origin once, then while the next point is `<= first_step`.
+        Advances from the origin once, then while the next point is `< first_step`: a grid
+        point equal to the first step of a run still fires, so stopping and resuming never
+        drops a firing.
         """
         self.next_step, self.gap = 0, self.start_step
         self._advance()
-        while self.next_step <= first_step:
+        while self.next_step < first_step:
             self._advance()
 
     def should_fire(self, step: int) -> bool:
@@ -191,10 +213,10 @@ class Exponential:
             yield next_step
 
     def __repr__(self) -> str:
-        return f"Exponential({self.start_step}, {self.factor:g})"
+        return f"ExponentialRule({self.start_step}, {self.factor:g})"
 
 
-class Periodic:
+class PeriodicRule:
     """Fires when at least `period_seconds` passed since the clock started or last fired.
 
     Times come from the caller (any monotonic clock, in seconds). `start(now)` starts the clock
@@ -209,7 +231,7 @@ class Periodic:
       ValueError: if `period_seconds` is not a finite number > 0.
 
     Example:
-      >>> schedule = Periodic(3.0)
+      >>> schedule = PeriodicRule(3.0)
       >>> schedule.start(0.0)
       >>> fired = []
       >>> for now in range(1, 10):
@@ -246,4 +268,4 @@ class Periodic:
         self.last = now
 
     def __repr__(self) -> str:
-        return f"Periodic({self.period_seconds:g})"
+        return f"PeriodicRule({self.period_seconds:g})"

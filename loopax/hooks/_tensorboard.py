@@ -1,8 +1,9 @@
 """`tensorboard`: TensorBoard event files written with the `tensorboard` package alone.
 
 TensorFlow is never imported: events are built from the protos in `tensorboard.compat.proto`
-and written by `EventFileWriter`. A background thread reads the device values and writes, so
-the loop only enqueues device arrays on the steps that log and never waits on disk.
+and written by `EventFileWriter` in a background thread, so the loop never waits on disk.
+`TensorBoardWriter` is a `MetricWriter`: `write_metrics` feeds it, with the keys every
+writer uses (`train/loss`, `eval/test/Accuracy`, ...).
 """
 
 from __future__ import annotations
@@ -14,30 +15,20 @@ import shlex
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..trainer._hooks import Priority
-from ._evaluate import EvalWatcher
+from ..trainer._loop import Loop
 from ._metric_info import is_writer_process
-from ._schedules import EveryNSteps
+from ._triggers import EveryNSteps, FirstNSteps
+from ._writers import MetricWriter, Waiter, write_metrics
 
-TRAIN_PREFIX = "train"
-LEARNING_RATE_TAG = "train/learning_rate"
 RUN_SUMMARY_TAG = "run/summary"
 _HISTOGRAM_BUCKETS = 30
-
-
-def _learning_rate(trainer: Any) -> Any | None:
-    try:
-        from ..optimizers import get_learning_rate
-    except ImportError:  # loopax.optimizers is optional for this hook
-        return None
-    state = trainer.state
-    return None if state is None else get_learning_rate(state.opt_state)
 
 
 def _format_bytes(count: int) -> str:
@@ -95,7 +86,7 @@ def _scalar_summary(values: dict[str, Any]) -> Any:
 
     summary = summary_pb2.Summary()
     for tag, value in values.items():
-        summary.value.add(tag=tag, simple_value=float(np.asarray(value)))
+        summary.value.add(tag=tag, simple_value=float(value))
     return summary
 
 
@@ -127,51 +118,34 @@ def _histogram_summary(values: dict[str, Any]) -> Any:
     return summary
 
 
-class TensorBoardWriter:
+class TensorBoardWriter(MetricWriter):
     """Writes TensorBoard events from a background thread; created by `tensorboard`.
 
-    Attributes:
-      logdir: the directory of the event files.
-      schedule: the `EveryNSteps` schedule of the train scalars.
+    Writes collect on the caller's side and go to the writer thread in one batch a second
+    (or every `max_pending` writes): building events is pure Python and holds the GIL, and
+    one wake-up a second instead of one per write keeps a small model's loop fast.
+
+    Args:
+      logdir: the directory of the event files (created).
+      flush_seconds: how often the event file is flushed while running.
+      max_pending: hand the collected writes over once this many are waiting.
     """
 
-    # Reads the device only on the steps it logs (and then in its own thread), so the loop
-    # must not check the loss before it every step.
-    checks_finite_lazily = True
-
-    def __init__(
-        self,
-        logdir: str,
-        every_n_steps: int,
-        histograms_every_n_steps: int | None,
-        learning_rate: bool,
-        summary: bool,
-        flush_seconds: float,
-        max_pending: int,
-    ):
-        self.logdir = logdir
-        self.schedule = EveryNSteps(every_n_steps)
-        self.histogram_schedule = (
-            None if histograms_every_n_steps is None else EveryNSteps(histograms_every_n_steps)
-        )
-        self.write_learning_rate = learning_rate
-        self.write_summary = summary
+    def __init__(self, logdir: str | os.PathLike, *, flush_seconds: float = 10.0, max_pending: int = 64):
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        self.logdir = os.fspath(logdir)
         self._flush_seconds = flush_seconds
         self._max_pending = max_pending
-        # Writes wait here, on the loop's side, and go to the writer thread as one batch
-        # at most once a second (or every `max_pending` writes).
         self._outbox: list[tuple[str, int, Any]] = []
         self._handoff_due = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._watcher = EvalWatcher()
-        self._summary_written = False
-        self._last_scalar_step = -1
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._writer: Any = None
         self._closed = False
 
-    # -- main thread ----------------------------------------------------------------------
+    # -- caller's side --------------------------------------------------------------------
 
     def _start(self) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -185,22 +159,19 @@ class TensorBoardWriter:
         self._raise_worker_error()
         if self._closed:
             raise RuntimeError(f"the TensorBoard writer for {self.logdir!r} is closed")
+        if self._thread is None:
+            self._start()
         self._outbox.append(item)
         if len(self._outbox) >= self._max_pending or time.monotonic() >= self._handoff_due:
             self._hand_off()
 
     def _hand_off(self) -> None:
-        """Gives the writes waiting in the outbox to the writer thread, as one batch.
-
-        Building events is pure Python (TensorBoard's CRC32C included) and holds the GIL,
-        and every wake-up of the writer thread can stall the training thread: one batch a
-        second instead of one wake-up per write took a small model's cost from ~20 µs to
-        a few µs per step. Blocks while the writer is still busy with the previous batch.
-        """
+        """Gives the collected writes to the writer thread, as one batch; blocks while the
+        writer is still busy with the previous batch."""
         self._handoff_due = time.monotonic() + _BURST_SECONDS
         if self._outbox:
             items, self._outbox = self._outbox, []
-            self._queue.put(("batch", -1, items))
+            self._queue.put(("batch", items))
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
@@ -210,103 +181,67 @@ class TensorBoardWriter:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    def add_scalars(self, step: int, values: dict[str, Any]) -> None:
-        """Queues scalars (host numbers or device arrays, read in the writer thread)."""
-        self._put(("scalars", step, values))
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Queues scalars (host numbers)."""
+        self._put(("scalars", step, dict(scalars)))
 
-    def add_text(self, step: int, tag: str, text: str) -> None:
+    def write_text(self, step: int, tag: str, text: str) -> None:
         """Queues a Markdown text summary."""
         self._put(("text", step, (tag, text)))
 
-    def add_histograms(self, step: int, values: dict[str, Any]) -> None:
-        """Queues histograms of arrays (host or device, read in the writer thread)."""
-        self._put(("histograms", step, values))
+    def write_histograms(self, step: int, values: Mapping[str, Any]) -> None:
+        """Queues histograms of arrays (host or device copies, read in the writer thread)."""
+        self._put(("histograms", step, dict(values)))
+
+    def truncate_after(self, step: int) -> None:
+        """Writes a `SessionLog.START` at `step + 1`: TensorBoard then drops every event of
+        a later step written before it (a resumed or rolled-back run writes them again)."""
+        self._put(("restart", step + 1, None))
+
+    def flush_async(self) -> Waiter:
+        """Hands everything queued to the writer thread and asks it to flush; the returned
+        function waits until the events are on disk."""
+        self._raise_worker_error()
+        if self._thread is None or self._closed:
+            return lambda: None
+        self._hand_off()
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        thread = self._thread
+
+        def wait() -> None:
+            while not done.wait(0.1):
+                if not thread.is_alive():
+                    break
+            self._raise_worker_error()
+
+        return wait
 
     def flush(self) -> None:
         """Waits until everything queued is written and flushed to disk."""
-        if self._thread is None or self._closed:
-            self._raise_worker_error()
-            return
-        self._raise_worker_error()
-        self._hand_off()
-        done = threading.Event()
-        self._queue.put(("flush", -1, done))
-        while not done.wait(0.1):
-            if not self._thread.is_alive():
-                break
-        self._raise_worker_error()
+        self.flush_async()()
 
     def close(self) -> None:
         """Flushes and closes the event file; further writes raise."""
         if self._thread is None or self._closed:
+            self._closed = True
             return
         self.flush()
         self._closed = True
-        self._queue.put(("close", -1, None))
+        self._queue.put(("close", None))
         self._thread.join()
         self._raise_worker_error()
-
-    def _write_train(self, loop: Any, metrics: Any) -> None:
-        step = loop.trainer.global_step
-        if not metrics or step == self._last_scalar_step:
-            return
-        self._last_scalar_step = step
-        values = {f"{TRAIN_PREFIX}/{key}": value for key, value in metrics.items()}
-        if self.write_learning_rate:
-            learning_rate = _learning_rate(loop.trainer)
-            if learning_rate is not None:
-                # A copy: the state's buffers are donated to the next step before the writer
-                # thread reads them.
-                values[LEARNING_RATE_TAG] = jnp.copy(learning_rate)
-        self.add_scalars(step, values)
-
-    def _write_new_evals(self, loop: Any) -> None:
-        step, new = self._watcher.new_results(loop)
-        if new:
-            self.add_scalars(step, {
-                f"{name}/{key}": value for name, results in new.items() for key, value in results.items()
-            })
-
-    def __call__(self, loop: Any, metrics: Any) -> None:
-        # Runs every step: the common case (nothing to write) is a few attribute reads.
-        if self._error is not None:
-            self._raise_worker_error()
-        step = loop.loop_step
-        if not self._summary_written and self.write_summary:
-            # At the first step, not at OnStart: the variables exist only after the first batch.
-            self._summary_written = True
-            self.add_text(loop.trainer.global_step, RUN_SUMMARY_TAG, run_summary(loop.trainer))
-        if self.schedule.should_fire(step):
-            self._write_train(loop, metrics)
-        if self.histogram_schedule is not None and self.histogram_schedule.should_fire(step):
-            params = loop.trainer.params
-            leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-            self.add_histograms(loop.trainer.global_step, {
-                f"params/{_path_name(path)}": jnp.copy(leaf) for path, leaf in leaves
-            })
-        self._write_new_evals(loop)
-
-    def on_end(self, loop: Any, metrics: Any) -> None:
-        """Writes the last step's train scalars and new evaluations, then flushes."""
-        self._write_train(loop, metrics)
-        self._write_new_evals(loop)
-        self.flush()
 
     # -- writer thread --------------------------------------------------------------------
 
     def _work(self) -> None:
         from tensorboard.compat.proto import event_pb2
 
-        builders: dict[str, Callable[[Any], Any]] = {  # payloads arrive as host values
-            "scalars": _scalar_summary,
-            "text": lambda tag_text: _text_summary(*tag_text),
-            "histograms": _histogram_summary,
-        }
         while True:
-            kind, _, payload = self._queue.get()
+            kind, payload = self._queue.get()
             try:
                 if kind == "batch":
-                    self._write(builders, event_pb2, payload)
+                    self._write(event_pb2, payload)
                 elif kind == "close":
                     self._writer.close()
                     return
@@ -319,23 +254,32 @@ class TensorBoardWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, builders: dict, event_pb2: Any, items: list[tuple[str, int, Any]]) -> None:
+    def _write(self, event_pb2: Any, items: list[tuple[str, int, Any]]) -> None:
         """Writer thread: reads a batch's device values at once, then writes its events."""
         if self._error is not None:
             return
+        builders: dict[str, Callable[[Any], Any]] = {
+            "scalars": _scalar_summary,
+            "text": lambda tag_text: _text_summary(*tag_text),
+            "histograms": _histogram_summary,
+        }
         try:
             payloads = jax.device_get([payload for _, _, payload in items])
             for (kind, step, _), payload in zip(items, payloads):
-                summary = builders[kind](payload)
-                self._writer.add_event(
-                    event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
-                )
-        except BaseException as err:  # reported to the loop at its next hook call
+                if kind == "restart":
+                    event = event_pb2.Event(
+                        wall_time=time.time(), step=step,
+                        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+                    )
+                else:
+                    event = event_pb2.Event(wall_time=time.time(), step=step, summary=builders[kind](payload))
+                self._writer.add_event(event)
+        except BaseException as err:  # reported to the loop at its next write
             self._error = err
 
 
 def tensorboard(
-    loop: Any,
+    loop: Loop,
     logdir: str | os.PathLike,
     *,
     every_n_steps: int = 100,
@@ -348,17 +292,17 @@ def tensorboard(
 ) -> TensorBoardWriter:
     """Writes TensorBoard event files (no TensorFlow needed) for `tensorboard --logdir`.
 
-    Scalars (the step is the trainer's global step):
+    Scalars (the step is the trainer's global step), with the keys every loopax writer,
+    monitor and `loop.history` use:
     - `train/<metric>` for every train metric (`train/loss`, `train/moving_average_loss`, ...)
       every `every_n_steps` and at the end of each run, plus `train/learning_rate` when the
-      optimizer exposes it (`loopax.optimizers`);
-    - `<dataset>/<metric>` (e.g. `test/mean_loss`) for every evaluation stored in
-      `loop.shared_data` by `evaluate` or `plot`, when it appears.
-    At the first step, a text summary `run/summary`: command line, devices, parameter count,
-    bytes and shapes. With `histograms_every_n_steps`, histograms `params/<path>` of the
-    parameters. A background thread reads the device values and writes, so the loop only
-    enqueues on the steps it logs; the end of each run waits until everything is on disk. Only
-    process 0 writes.
+      optimizer exposes it (`loopax.optimizers`, `optax.inject_hyperparams`);
+    - `eval/<dataset>/<metric>` (e.g. `eval/test/mean_loss`) for every evaluation.
+    At the first step of the process, a text summary `run/summary`: command line, devices,
+    parameter count, bytes and shapes. With `histograms_every_n_steps`, histograms
+    `params/<path>` of the parameters. On a resume or rollback a `SessionLog.START` makes
+    TensorBoard drop the points after the restored step; before each checkpoint commits,
+    the events are on disk. Only process 0 writes.
 
     Args:
       loop: the `loopax.Loop`.
@@ -369,8 +313,7 @@ def tensorboard(
       summary: write the `run/summary` text at the first step.
       flush_seconds: how often the event file is flushed while running.
       max_pending: writes collect on the loop's side and go to the writer thread in one
-        batch a second, or sooner once `max_pending` have collected; the loop waits only
-        when the writer thread falls two batches behind.
+        batch a second, or sooner once `max_pending` have collected.
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).
 
     Returns:
@@ -380,15 +323,34 @@ def tensorboard(
       ValueError: `every_n_steps` or `histograms_every_n_steps` is not a positive int, or
         `max_pending` < 1.
     """
-    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-        raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
     logdir = os.fspath(logdir)
-    writer = TensorBoardWriter(
-        logdir, every_n_steps, histograms_every_n_steps, learning_rate, summary, flush_seconds,
-        max_pending,
+    writer = TensorBoardWriter(logdir, flush_seconds=flush_seconds, max_pending=max_pending)
+    histograms = None if histograms_every_n_steps is None else EveryNSteps(histograms_every_n_steps)
+    name = f"tensorboard({logdir})"
+    write_metrics(
+        loop, writer, every_n_steps=every_n_steps, learning_rate=learning_rate, name=name,
+        priority=priority,
     )
-    if is_writer_process():
-        writer._start()
-        loop.on_step(f"tensorboard({logdir})", writer, priority=priority)
-        loop.on_end(f"tensorboard({logdir})", writer.on_end, priority=priority)
+    if not is_writer_process():
+        return writer
+    if summary:
+        # At the first step, not at OnStart: the variables exist only after the first batch.
+        loop.on_step(
+            f"{name}: summary",
+            lambda loop, metrics: writer.write_text(
+                loop.trainer.global_step, RUN_SUMMARY_TAG, run_summary(loop.trainer)
+            ),
+            priority, when=FirstNSteps(1, of_process=True), check_finite=False,
+        )
+    if histograms is not None:
+        def write_histograms(loop: Loop, metrics: Any) -> None:
+            # Copies: the state's buffers are donated to the next step before the writer
+            # thread reads them.
+            leaves = jax.tree_util.tree_flatten_with_path(loop.trainer.params)[0]
+            writer.write_histograms(loop.trainer.global_step, {
+                f"params/{_path_name(path)}": jnp.copy(leaf) for path, leaf in leaves
+            })
+
+        loop.on_step(f"{name}: histograms", write_histograms, priority, when=histograms,
+                     check_finite=False)
     return writer

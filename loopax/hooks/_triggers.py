@@ -1,23 +1,32 @@
-"""Trigger helpers: register a `fn(loop, metrics)` on a `Loop` to run on a schedule.
+"""Schedules and trigger helpers: run a `fn(loop, metrics)` on a `Loop` at chosen steps.
 
-Each helper registers one OnStep hook (plus one OnEnd hook with `call_on_end=True`) and returns
-the trigger object that owns the schedule. Trigger objects check the loss is finite themselves,
-only on the steps they fire (`checks_finite_lazily`), so a checkpoint every 1000 steps costs a
-host sync every 1000 steps, not every step. They register in `loop._triggers` and offer
-`get_state()` / `set_state(state)` so a checkpoint can carry the schedule across a restart.
+A schedule (`EveryNSteps`, `NTimes`, `Exponential`, `Periodic`, `AtSteps`, `FirstNSteps`,
+`EveryNEpochs`) says *when*; `loop.on_step(name, fn, when=schedule)` attaches *what*. The
+helpers (`every_n_steps`, ...) do both in one call and return the registered `Hook`.
+Schedules combine with `|` (`EveryNSteps(1000) | AtSteps([10, 100])`, bobbin's CronTab
+style), and their positions are checkpointed with the loop under the hook's name.
+
+The loop asks a step schedule only at the steps it may fire (`next_step`), so a hook that
+fires every 1000 steps costs nothing on the other 999.
 """
 
 from __future__ import annotations
 
-import abc
 import numbers
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from ..trainer._hooks import Priority
-from ._schedules import EveryNSteps, Exponential, NTimes, Periodic
+from ..trainer._hooks import NEVER, Hook, Priority, Schedule
+from ..trainer._loop import Loop
+from ._schedules import (
+    EveryNStepsRule,
+    ExponentialRule,
+    NTimesRule,
+    PeriodicRule,
+    _check_positive_int,
+)
 
-StepFn = Callable[[Any, Any], Any]
+StepFn = Callable[[Loop, Any], Any]
 
 
 def _check_hook_args(name: object, fn: object) -> None:
@@ -27,117 +36,66 @@ def _check_hook_args(name: object, fn: object) -> None:
         raise TypeError(f"fn for hook {name!r} must be callable as fn(loop, metrics), got {fn!r}")
 
 
-class _Trigger(abc.ABC):
-    """Base of the trigger objects: the OnStep hook callable itself.
+def _check_priority(name: str, priority: object) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(
+            f"hook {name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
+            f"got {priority!r}"
+        )
+    return int(priority)
 
-    Subclasses implement `_should_fire(loop, first_step_of_run)`; calling the object as `obj(loop, metrics)` runs
-    `fn` when it fires.
+
+# -- schedules --------------------------------------------------------------------------------
+
+
+class EveryNSteps(Schedule):
+    """Fires at step k iff `(k + 1) % n == 0`, i.e. at global steps that are multiples of n.
+
+    Aligned to the global step, so a resumed run fires where an uninterrupted one would.
+    Stateless.
+
+    Raises:
+      ValueError: `n` is not a positive int.
     """
 
-    # Tells the loop not to check the loss before every step: we check only when firing.
-    checks_finite_lazily = True
+    def __init__(self, n: int):
+        self.rule = EveryNStepsRule(n)
+        self.n = self.rule.n
 
-    def __init__(self, hook_name: str, fn: StepFn, priority: int):
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-            raise TypeError(
-                f"hook {hook_name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
-                f"got {priority!r}"
-            )
-        self.name = hook_name
-        self.fn = fn
-        self.priority = int(priority)
-        self._checks_finite = self.priority >= Priority.CHECKPOINT
-        self._run_index: int | None = None
+    def next_step(self, loop: Loop, step: int) -> int:
+        return -(-(step + 1) // self.n) * self.n - 1
 
-    def _register(self, loop: Any, call_on_end: bool = False) -> None:
-        loop.on_step(self.name, self, priority=self.priority)
-        if call_on_end:
-            loop.on_end(self.name, _OnEndHook(self), priority=self.priority)
-        loop._triggers.append(self)
-
-    def _fire(self, loop: Any, metrics: Any) -> Any:
-        if self._checks_finite:
-            loop._check_finite()
-        return self.fn(loop, metrics)
-
-    def __call__(self, loop: Any, metrics: Any) -> Any:
-        first_step_of_run = loop.run_index != self._run_index
-        if first_step_of_run:
-            self._run_index = loop.run_index
-            self._start_run(loop)
-        if self._should_fire(loop, first_step_of_run):
-            return self._fire(loop, metrics)
-        return None
-
-    def _start_run(self, loop: Any) -> None:
-        """Called on the first OnStep of every run, before `_should_fire`."""
-
-    @abc.abstractmethod
-    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
-        """Whether to call `fn` at the current step (may advance the schedule)."""
-
-    def _fire_on_end(self, loop: Any, metrics: Any) -> Any:
-        return self._fire(loop, metrics)
-
-    def get_state(self) -> dict[str, int | float]:
-        """The schedule state a checkpoint must save (JSON-serializable); `{}` when stateless."""
-        return {}
-
-    def set_state(self, state: dict[str, int | float]) -> None:
-        """Restores a state returned by `get_state`, before the next run starts."""
-        del state
+    def should_fire(self, loop: Loop) -> bool:
+        return self.rule.should_fire(loop.loop_step)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r} priority={self.priority}>"
+        return f"every_n_steps({self.n})"
 
 
-class _OnEndHook:
-    """The OnEnd hook of a trigger with `call_on_end=True`: fires once, unconditionally."""
+class NTimes(Schedule):
+    """Fires at most n times per run, evenly spaced, always at the run's last step.
 
-    checks_finite_lazily = True
+    For a run of T known steps from `start_step`, fires where `k - start_step + 1` equals
+    `ceil(i * T / n)` for i = 1..n (every step when T <= n). While the end is unknown (first
+    epoch of `run_epochs`) fires after 128, 256, 512, ... steps of the run; once the end is
+    known, continues with the even points. A run resumed from a checkpoint that ends at the
+    same `end_step` keeps the original run's points.
 
-    def __init__(self, trigger: _Trigger):
-        self.trigger = trigger
-
-    def __call__(self, loop: Any, metrics: Any) -> Any:
-        return self.trigger._fire_on_end(loop, metrics)
-
-
-class EveryNStepsTrigger(_Trigger):
-    """Runs `fn` at step k iff `(k + 1) % n == 0`; see `every_n_steps`. Stateless."""
-
-    def __init__(self, n: int, name: str, fn: StepFn, priority: int):
-        self.schedule = EveryNSteps(n)
-        super().__init__(f"every_n_steps({self.schedule.n}): {name}", fn, priority)
-
-    def __call__(self, loop: Any, metrics: Any) -> Any:
-        # Stateless, so skip the run bookkeeping: this runs every step.
-        if self.schedule.should_fire(loop.loop_step):
-            return self._fire(loop, metrics)
-        return None
-
-    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
-        return self.schedule.should_fire(loop.loop_step)
-
-
-class NTimesTrigger(_Trigger):
-    """Runs `fn` at most n times per run, evenly, always at the last step; see
-    `n_times_during_loop`.
-
-    State: the run's `start_step` and `end_step` (`-1` while unknown), so that a run resumed from
-    a checkpoint that ends at the same `end_step` keeps the original run's firing points.
+    Raises:
+      ValueError: `n` is not a positive int.
     """
 
-    def __init__(self, n: int, name: str, fn: StepFn, priority: int):
-        self.schedule = NTimes(n)
-        super().__init__(f"n_times_during_loop({self.schedule.n}): {name}", fn, priority)
+    def __init__(self, n: int):
+        self.rule = NTimesRule(n)
+        self.n = self.rule.n
         self.run_start_step: int | None = None
-        self.run_end_step: int = -1
+        self.run_end_step = -1
         self._restored: dict[str, int] | None = None
 
-    def _start_run(self, loop: Any) -> None:
+    def start_run(self, loop: Loop) -> None:
         restored, self._restored = self._restored, None
         self.run_start_step = loop.start_step
+        self.run_end_step = loop.end_step
         if (
             restored is not None
             and restored["end_step"] >= 0
@@ -147,97 +105,244 @@ class NTimesTrigger(_Trigger):
             # Resuming the same run: keep its firing points.
             self.run_start_step = restored["start_step"]
 
-    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
+    def _total(self, loop: Loop) -> int | None:
+        assert self.run_start_step is not None, "start_run was not called"
         self.run_end_step = loop.end_step
-        assert self.run_start_step is not None
-        steps_done = loop.loop_step - self.run_start_step + 1
-        total_steps = None if loop.end_step < 0 else loop.end_step - self.run_start_step
-        return self.schedule.should_fire(steps_done, total_steps)
+        return None if loop.end_step < 0 else loop.end_step - self.run_start_step
 
-    def get_state(self) -> dict[str, int | float]:
+    def next_step(self, loop: Loop, step: int) -> int:
+        total = self._total(loop)
+        assert self.run_start_step is not None
+        point = self.rule.next_point(step - self.run_start_step + 1, total)
+        return NEVER if point is None else self.run_start_step + point - 1
+
+    def should_fire(self, loop: Loop) -> bool:
+        total = self._total(loop)
+        assert self.run_start_step is not None
+        return self.rule.should_fire(loop.loop_step - self.run_start_step + 1, total)
+
+    def get_state(self) -> dict[str, Any]:
         if self.run_start_step is None:
             return {}
         return {"start_step": self.run_start_step, "end_step": self.run_end_step}
 
-    def set_state(self, state: dict[str, int | float]) -> None:
-        if not state:
-            self._restored = None
-            return
-        self._restored = {
-            "start_step": int(state["start_step"]),
-            "end_step": int(state["end_step"]),
-        }
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._restored = (
+            {"start_step": int(state["start_step"]), "end_step": int(state["end_step"])}
+            if state else None
+        )
+
+    def __repr__(self) -> str:
+        return f"n_times_during_loop({self.n})"
 
 
-class PeriodicTrigger(_Trigger):
-    """Runs `fn` every `period_seconds` of `clock`; see `periodic_callback`.
+class Exponential(Schedule):
+    """Fires on an absolute grid of steps whose gaps grow by `factor`: `start_step`, then
+    `next += gap; gap = round_half_away_from_zero(gap * factor)` (100, 1.2: 100, 220, 364,
+    537, 745, ...).
 
-    No state survives a restart: a clock's readings mean nothing in another process, so the
-    period restarts with the first step of every run.
+    The grid is absolute: a resumed run lands on it, and a grid point equal to the first
+    step of a run still fires. Fires at most once per step, catching up one step at a time
+    when behind.
+
+    Raises:
+      ValueError: `start_step` is not a positive int or `factor` not a finite number > 1.
     """
 
-    def __init__(
-        self,
-        period_seconds: float,
-        name: str,
-        fn: StepFn,
-        priority: int,
-        clock: Callable[[], float],
-    ):
-        self.schedule = Periodic(period_seconds)
+    def __init__(self, start_step: int, factor: float):
+        self.rule = ExponentialRule(start_step, factor)
+        self.start_step = self.rule.start_step
+        self.factor = self.rule.factor
+
+    def start_run(self, loop: Loop) -> None:
+        self.rule.start_run(loop.start_step)
+
+    def restart(self, loop: Loop) -> None:
+        self.rule.start_run(loop.loop_step)
+
+    def next_step(self, loop: Loop, step: int) -> int:
+        return max(step, self.rule.next_step)
+
+    def should_fire(self, loop: Loop) -> bool:
+        return self.rule.should_fire(loop.loop_step)
+
+    def __repr__(self) -> str:
+        return f"exponential_callback({self.start_step}, {self.factor:g})"
+
+
+class Periodic(Schedule):
+    """Fires at most once every `period_seconds` of `clock`.
+
+    The first step of each run only starts the clock (it usually includes compilation);
+    after that it fires when `clock() - last >= period_seconds`, where `last` is read after
+    the previous callback returned, so slow callbacks and paused time are not caught up.
+    Nothing survives a restart: a clock's readings mean nothing in another process.
+
+    Raises:
+      ValueError: `period_seconds` is not a finite number > 0.
+      TypeError: `clock` is not callable.
+    """
+
+    checks_every_step = True
+
+    def __init__(self, period_seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.rule = PeriodicRule(period_seconds)
+        self.period_seconds = self.rule.period_seconds
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         self.clock = clock
-        super().__init__(
-            f"periodic_callback({self.schedule.period_seconds:g}s): {name}", fn, priority
-        )
+        self._started = False
 
-    def __call__(self, loop: Any, metrics: Any) -> Any:
-        # Runs every step: within a run, one clock reading settles the usual "not yet".
-        if loop.run_index == self._run_index and not self.schedule.should_fire(self.clock()):
-            return None
-        return super().__call__(loop, metrics)
+    def start_run(self, loop: Loop) -> None:
+        self._started = False
 
-    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
-        if first_step_of_run:
-            # The first step usually includes compilation: it only starts the clock.
-            self.schedule.start(self.clock())
-            return False
-        return self.schedule.should_fire(self.clock())
+    def should_fire(self, loop: Loop) -> bool:
+        if self._started:
+            return self.rule.should_fire(self.clock())
+        self._started = True
+        self.rule.start(self.clock())
+        return False
 
-    def _fire(self, loop: Any, metrics: Any) -> Any:
-        try:
-            return super()._fire(loop, metrics)
-        finally:
-            self.schedule.fired(self.clock())
+    def fired(self, loop: Loop) -> None:
+        self.rule.fired(self.clock())
+
+    def __repr__(self) -> str:
+        return f"periodic_callback({self.period_seconds:g}s)"
 
 
-class ExponentialTrigger(_Trigger):
-    """Runs `fn` on an absolute grid of steps with growing gaps; see `exponential_callback`.
+class AtSteps(Schedule):
+    """Fires after the steps that bring `trainer.global_step` to one of `steps`.
 
-    Stateless across restarts: the grid is absolute and recomputed on the first step of each run.
+    Raises:
+      ValueError: `steps` is empty or holds something other than positive ints.
     """
 
-    def __init__(
-        self, start_step: int, factor: float, name: str, fn: StepFn, priority: int
-    ):
-        self.schedule = Exponential(start_step, factor)
-        super().__init__(
-            f"exponential_callback({self.schedule.start_step}, {self.schedule.factor:g}): {name}",
-            fn,
-            priority,
-        )
+    def __init__(self, steps: Iterable[int]):
+        steps = sorted({_check_positive_int("each of steps", step) for step in steps})
+        if not steps:
+            raise ValueError("AtSteps needs at least one global step, e.g. AtSteps([100, 1000])")
+        self.steps = tuple(steps)
 
-    def _start_run(self, loop: Any) -> None:
-        self.schedule.start_run(loop.start_step)
+    def next_step(self, loop: Loop, step: int) -> int:
+        import bisect  # noqa: PLC0415
 
-    def _should_fire(self, loop: Any, first_step_of_run: bool) -> bool:
-        return self.schedule.should_fire(loop.loop_step)
+        index = bisect.bisect_left(self.steps, step + 1)
+        return NEVER if index == len(self.steps) else self.steps[index] - 1
+
+    def should_fire(self, loop: Loop) -> bool:
+        return loop.loop_step + 1 in self.steps
+
+    def __repr__(self) -> str:
+        shown = ", ".join(map(str, self.steps[:5])) + (", ..." if len(self.steps) > 5 else "")
+        return f"at_steps({shown})"
+
+
+class FirstNSteps(Schedule):
+    """Fires at each of the first `n` steps of every run, or with `of_process=True` of this
+    process (counted across its runs: the first steps after a restart, e.g. to watch them).
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+
+    def __init__(self, n: int, *, of_process: bool = False):
+        self.n = _check_positive_int("n", n)
+        self.of_process = bool(of_process)
+        self._first: int | None = None  # the first step counted
+        self._seen = 0  # steps counted before this run (of_process)
+
+    def start_run(self, loop: Loop) -> None:
+        if not self.of_process:
+            self._seen = 0
+        self._first = loop.start_step - self._seen
+
+    def next_step(self, loop: Loop, step: int) -> int:
+        assert self._first is not None, "start_run was not called"
+        return step if step - self._first < self.n else NEVER
+
+    def should_fire(self, loop: Loop) -> bool:
+        assert self._first is not None
+        done = loop.loop_step - self._first
+        if self.of_process:
+            self._seen = done + 1
+        return done < self.n
+
+    def __repr__(self) -> str:
+        return f"first_n_steps({self.n}{', of_process=True' if self.of_process else ''})"
+
+
+class EveryNEpochs(Schedule):
+    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`
+    (epochs 0-based in the run: at the ends of epochs n-1, 2n-1, ...).
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+
+    checks_every_step = True  # asked at every epoch end
+    at_epoch_end = True
+
+    def __init__(self, n: int):
+        self.n = _check_positive_int("n", n)
+
+    def should_fire(self, loop: Loop) -> bool:
+        return (loop.epoch + 1) % self.n == 0
+
+    def __repr__(self) -> str:
+        return f"every_n_epochs({self.n})"
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def on_schedule(
+    loop: Loop,
+    when: Schedule,
+    name: str,
+    fn: StepFn,
+    *,
+    call_on_end: bool = False,
+    priority: int = Priority.DEFAULT,
+) -> Hook:
+    """Calls `fn(loop, metrics)` at the steps of `when` (any schedule, e.g. combined with `|`).
+
+    The hook is named `"<schedule>: name"`. With `call_on_end` it also runs once in OnEnd,
+    unconditionally. Hooks of priority >= `Priority.CHECKPOINT` check every loss so far is
+    finite before they run, only on the steps they fire.
+
+    Args:
+      loop: the `loopax.Loop`.
+      when: the schedule.
+      name: the user's hook name.
+      fn: `fn(loop, metrics)`.
+      call_on_end: also call `fn` in OnEnd.
+      priority: the hook's priority (see `loopax.Priority`).
+
+    Returns:
+      The OnStep `Hook` (its `schedule` is `when`).
+
+    Example:
+      >>> from loopax.hooks import EveryNSteps, AtSteps
+      >>> import loopax, optax, jax, flax.linen as nn
+      >>> loop = loopax.Loop(loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
+      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1]))
+      >>> on_schedule(loop, EveryNSteps(100) | AtSteps([1, 10]), "log", print).name
+      'every_n_steps(100) | at_steps(1, 10): log'
+    """
+    _check_hook_args(name, fn)
+    priority = _check_priority(name, priority)
+    if getattr(when, "at_epoch_end", False):
+        hook = loop.on_epoch_end(f"{when!r}: {name}", fn, priority, when=when)
+    else:
+        hook = loop.on_step(f"{when!r}: {name}", fn, priority, when=when)
+    if call_on_end:
+        loop.on_end(hook.name, fn, priority)
+    return hook
 
 
 def every_n_steps(
-    loop: Any, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
-) -> EveryNStepsTrigger:
+    loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
+) -> Hook:
     """Calls `fn(loop, metrics)` after step k iff `(k + 1) % n == 0`.
 
     Aligned to the global step, so a resumed run fires where an uninterrupted one would. Never
@@ -251,28 +356,20 @@ def every_n_steps(
       priority: the hook's priority (see `loopax.Priority`).
 
     Returns:
-      The trigger object (its `schedule` is an `EveryNSteps`).
+      The OnStep `Hook` (its `schedule` is an `EveryNSteps`).
 
     Raises:
       ValueError: if `n` is not a positive int.
     """
     _check_hook_args(name, fn)
-    trigger = EveryNStepsTrigger(n, name, fn, priority)
-    trigger._register(loop)
-    return trigger
+    return on_schedule(loop, EveryNSteps(n), name, fn, priority=priority)
 
 
 def n_times_during_loop(
-    loop: Any, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
-) -> NTimesTrigger:
-    """Calls `fn(loop, metrics)` at most `n` times per run, evenly spaced, always at the last step.
-
-    For a run of T known steps from `start_step`, fires where `k - start_step + 1` equals
-    `ceil(i * T / n)` for i = 1..n (every step when T <= n). While the end is unknown (first epoch
-    of `run_epochs`) fires after 128, 256, 512, ... steps of the run; once the end is known,
-    continues with the even points (so it may fire a little more than n times in that run). The
-    count restarts with each run; a run resumed from a checkpoint with the same `end_step` keeps
-    the original run's points.
+    loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
+) -> Hook:
+    """Calls `fn(loop, metrics)` at most `n` times per run, evenly spaced, always at the last
+    step; see `NTimes`.
 
     Args:
       loop: the `loopax.Loop`.
@@ -282,19 +379,17 @@ def n_times_during_loop(
       priority: the hook's priority (see `loopax.Priority`).
 
     Returns:
-      The trigger object (its `schedule` is an `NTimes`).
+      The OnStep `Hook` (its `schedule` is an `NTimes`).
 
     Raises:
       ValueError: if `n` is not a positive int.
     """
     _check_hook_args(name, fn)
-    trigger = NTimesTrigger(n, name, fn, priority)
-    trigger._register(loop)
-    return trigger
+    return on_schedule(loop, NTimes(n), name, fn, priority=priority)
 
 
 def periodic_callback(
-    loop: Any,
+    loop: Loop,
     period_seconds: float,
     name: str,
     fn: StepFn,
@@ -302,13 +397,8 @@ def periodic_callback(
     call_on_end: bool = False,
     priority: int = Priority.DEFAULT,
     clock: Callable[[], float] = time.monotonic,
-) -> PeriodicTrigger:
-    """Calls `fn(loop, metrics)` at most once every `period_seconds`.
-
-    The first step of each run only starts the clock (it usually includes compilation). After
-    that it fires when `clock() - last >= period_seconds`, where `last` is read after the previous
-    callback returned, so slow callbacks and paused time are not caught up. The clock restarts
-    with each run and in each process: there is nothing to restore from a checkpoint.
+) -> Hook:
+    """Calls `fn(loop, metrics)` at most once every `period_seconds`; see `Periodic`.
 
     Args:
       loop: the `loopax.Loop`.
@@ -320,19 +410,19 @@ def periodic_callback(
       clock: returns the time in seconds; inject a fake one in tests.
 
     Returns:
-      The trigger object (its `schedule` is a `Periodic`).
+      The OnStep `Hook` (its `schedule` is a `Periodic`).
 
     Raises:
       ValueError: if `period_seconds` is not a finite number > 0.
     """
     _check_hook_args(name, fn)
-    trigger = PeriodicTrigger(period_seconds, name, fn, priority, clock)
-    trigger._register(loop, call_on_end)
-    return trigger
+    return on_schedule(
+        loop, Periodic(period_seconds, clock), name, fn, call_on_end=call_on_end, priority=priority
+    )
 
 
 def exponential_callback(
-    loop: Any,
+    loop: Loop,
     start_step: int,
     factor: float,
     name: str,
@@ -340,13 +430,9 @@ def exponential_callback(
     *,
     call_on_end: bool = False,
     priority: int = Priority.DEFAULT,
-) -> ExponentialTrigger:
-    """Calls `fn(loop, metrics)` on an absolute grid of steps whose gaps grow by `factor`.
-
-    The grid is `start_step`, then `next += gap; gap = round_half_away_from_zero(gap * factor)`:
-    with 100 and 1.2, steps 100, 220, 364, 537, 745, ... On the first step of a run it skips the
-    grid points `<=` the run's `start_step`, so a resumed run lands on the same grid; it fires at
-    most once per step and catches up one step at a time when behind.
+) -> Hook:
+    """Calls `fn(loop, metrics)` on an absolute grid of steps whose gaps grow by `factor`;
+    see `Exponential`.
 
     Args:
       loop: the `loopax.Loop`.
@@ -359,13 +445,70 @@ def exponential_callback(
       priority: the hook's priority (see `loopax.Priority`).
 
     Returns:
-      The trigger object (its `schedule` is an `Exponential`).
+      The OnStep `Hook` (its `schedule` is an `Exponential`).
 
     Raises:
       ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
     """
     _check_hook_args(name, fn)
-    trigger = ExponentialTrigger(start_step, factor, name, fn, priority)
-    trigger._register(loop, call_on_end)
-    return trigger
+    return on_schedule(
+        loop, Exponential(start_step, factor), name, fn, call_on_end=call_on_end,
+        priority=priority,
+    )
 
+
+def at_steps(
+    loop: Loop, steps: Iterable[int], name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
+) -> Hook:
+    """Calls `fn(loop, metrics)` after the steps that bring `trainer.global_step` to one of
+    `steps` (global steps, as checkpoints count them); see `AtSteps`.
+
+    Returns:
+      The OnStep `Hook`.
+
+    Raises:
+      ValueError: `steps` is empty or not positive ints.
+    """
+    _check_hook_args(name, fn)
+    return on_schedule(loop, AtSteps(steps), name, fn, priority=priority)
+
+
+def first_n_steps(
+    loop: Loop,
+    n: int,
+    name: str,
+    fn: StepFn,
+    *,
+    of_process: bool = False,
+    priority: int = Priority.DEFAULT,
+) -> Hook:
+    """Calls `fn(loop, metrics)` at each of the first `n` steps of every run, or of this
+    process with `of_process=True`; see `FirstNSteps`.
+
+    Returns:
+      The OnStep `Hook`.
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+    _check_hook_args(name, fn)
+    return on_schedule(loop, FirstNSteps(n, of_process=of_process), name, fn, priority=priority)
+
+
+def every_n_epochs(
+    loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
+) -> Hook:
+    """Calls `fn(loop, metrics)` at the end of every n-th epoch of `run_epochs`, after the
+    OnStep hooks of the epoch's last step, with that step's metrics.
+
+    Only `run_epochs` has epoch ends: with `run_steps` the hook does not run (the loop
+    warns at the start of such a run).
+
+    Returns:
+      The OnEpochEnd `Hook`.
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+    _check_hook_args(name, fn)
+    return on_schedule(loop, EveryNEpochs(n), name, fn, priority=priority)

@@ -254,3 +254,18 @@ def as_list(arrays: Any) -> list[Any]:
         return list(arrays)
     return [arrays]
 
+
+
+def dataset_name(dataset: Any) -> str:
+    """The dataset's `name`, which results are stored and shown under.
+
+    Raises:
+      ValueError: the dataset has no non-empty str `name`.
+    """
+    name = getattr(dataset, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"dataset {dataset!r} needs a non-empty str `name` so its results can be stored and "
+            "shown under it; e.g. ArrayDataset(..., name='test')"
+        )
+    return name

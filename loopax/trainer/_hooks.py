@@ -1,9 +1,16 @@
-"""Hook priorities, the hook record, and the error raised when a hook fails."""
+"""Hook priorities, the hook record, schedules, and the error raised when a hook fails."""
 
 from __future__ import annotations
 
+import abc
 import enum
-from typing import Any, Callable, NamedTuple
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ._loop import Loop
+
+NEVER = sys.maxsize  # a `Schedule.next_step` that will not come
 
 
 class Priority(enum.IntEnum):
@@ -42,13 +49,160 @@ class HookError(RuntimeError):
         )
 
 
-class Hook(NamedTuple):
-    """One registered hook; `order` breaks priority ties by registration order."""
+class Schedule(abc.ABC):
+    """When a scheduled hook fires; pass one as `when=` to `Loop.on_step`/`on_epoch_end`.
 
-    priority: int
-    order: int
-    name: str
-    fn: Callable[..., Any]
-    # True when the loop must check the loss is finite before calling it (a host sync);
-    # trigger helpers do the check themselves only on the steps they fire.
-    checks_finite_eagerly: bool
+    The loop calls `start_run` before the first step of every run, then `should_fire`
+    at the steps it may fire, never before the step `next_step` named. A schedule that
+    depends on time, not steps, sets `checks_every_step` and is asked after every step.
+    `get_state`/`set_state` carry its position across a checkpoint resume.
+
+    Schedules combine with `|`: `every | at` fires when either fires (both advance).
+
+    Example:
+      >>> from loopax.hooks import EveryNSteps, AtSteps
+      >>> either = EveryNSteps(100) | AtSteps([5, 50])
+      >>> type(either).__name__
+      'AnyOf'
+    """
+
+    #: True for a schedule that must be asked after every step (e.g. a clock).
+    checks_every_step: bool = False
+
+    def start_run(self, loop: Loop) -> None:
+        """Called before the first step of every run (after the OnStart hooks)."""
+
+    def restart(self, loop: Loop) -> None:
+        """Called when the run continues from an earlier step (`loop.resume_from`)."""
+
+    def next_step(self, loop: Loop, step: int) -> int:
+        """The first step index `>= step` at which `should_fire` may be True (`NEVER` for
+        none). The default asks at every step."""
+        return step
+
+    @abc.abstractmethod
+    def should_fire(self, loop: Loop) -> bool:
+        """Whether the hook runs at the current step (`loop.loop_step`); may advance."""
+
+    def fired(self, loop: Loop) -> None:
+        """Called after the hook ran (e.g. a clock restarts its period here)."""
+
+    def get_state(self) -> dict[str, Any]:
+        """The position a checkpoint must save (JSON-serializable); `{}` when stateless."""
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores a state returned by `get_state`, before the next run starts."""
+        del state
+
+    def __or__(self, other: Schedule) -> AnyOf:
+        return AnyOf(self, other)
+
+
+class AnyOf(Schedule):
+    """Fires when any of its schedules fires; each one is asked, so each advances.
+
+    Raises:
+      TypeError: an element is not a `Schedule`.
+    """
+
+    def __init__(self, *schedules: Schedule):
+        flat: list[Schedule] = []
+        for schedule in schedules:
+            if not isinstance(schedule, Schedule):
+                raise TypeError(
+                    f"only schedules combine with |, got {type(schedule).__name__}; use e.g. "
+                    "loopax.hooks.EveryNSteps(100) | loopax.hooks.AtSteps([10])"
+                )
+            flat += schedule.schedules if isinstance(schedule, AnyOf) else [schedule]
+        self.schedules = tuple(flat)
+        self.checks_every_step = any(s.checks_every_step for s in flat)
+
+    def start_run(self, loop: Loop) -> None:
+        for schedule in self.schedules:
+            schedule.start_run(loop)
+
+    def restart(self, loop: Loop) -> None:
+        for schedule in self.schedules:
+            schedule.restart(loop)
+
+    def next_step(self, loop: Loop, step: int) -> int:
+        return min(schedule.next_step(loop, step) for schedule in self.schedules)
+
+    def should_fire(self, loop: Loop) -> bool:
+        step = loop.loop_step
+        fire = False
+        for schedule in self.schedules:
+            if (schedule.checks_every_step or schedule.next_step(loop, step) <= step) and (
+                schedule.should_fire(loop)
+            ):
+                fire = True
+        return fire
+
+    def fired(self, loop: Loop) -> None:
+        for schedule in self.schedules:
+            schedule.fired(loop)
+
+    def get_state(self) -> dict[str, Any]:
+        states = {str(i): s.get_state() for i, s in enumerate(self.schedules)}
+        return {key: state for key, state in states.items() if state}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for i, schedule in enumerate(self.schedules):
+            schedule.set_state(state.get(str(i), {}))
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(s) for s in self.schedules)
+
+
+class Hook:
+    """One registered hook, as `Loop.on_step` and the other registrations return it.
+
+    Attributes:
+      phase: "OnStart", "OnStep", "OnEpochEnd", "OnEnd", "OnEvaluation", "OnRestore" or
+        "OnError".
+      name: the name given at registration.
+      fn: the function called.
+      priority: lower runs first.
+      schedule: the `Schedule` of a scheduled hook, else None (runs every time).
+      check_finite: whether the loop checks that every step's loss so far is finite
+        before calling it.
+    """
+
+    __slots__ = ("phase", "name", "fn", "priority", "order", "schedule", "check_finite", "next")
+
+    def __init__(
+        self,
+        phase: str,
+        name: str,
+        fn: Callable[..., Any],
+        priority: int,
+        order: int,
+        schedule: Schedule | None,
+        check_finite: bool,
+    ):
+        self.phase = phase
+        self.name = name
+        self.fn = fn
+        self.priority = priority
+        self.order = order
+        self.schedule = schedule
+        self.check_finite = check_finite
+        self.next = 0  # the loop's cache of `schedule.next_step`
+
+    @property
+    def every_step(self) -> bool:
+        """Whether the loop must visit it after every step (unscheduled or clock-driven)."""
+        return self.schedule is None or self.schedule.checks_every_step
+
+    def get_state(self) -> dict[str, Any]:
+        """The schedule's state (`{}` for an unscheduled hook)."""
+        return {} if self.schedule is None else self.schedule.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores the schedule's state."""
+        if self.schedule is not None:
+            self.schedule.set_state(state)
+
+    def __repr__(self) -> str:
+        return f"<Hook {self.phase} {self.name!r} priority={self.priority}>"

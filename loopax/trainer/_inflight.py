@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import jax
 
@@ -26,6 +27,9 @@ class InFlight:
     `limit` steps are pending, the host waits until only `limit // 2` are left (steps
     finish in order, so waiting on one step covers all before it). The device never runs
     dry, and the host sleeps and wakes once per `limit // 2 + 1` steps instead of every step.
+
+    Each step comes with a token (the loop's `(step, metrics)`); the tokens of the steps
+    waited for are returned, so the caller can read their values at no extra wait.
     """
 
     def __init__(self, limit: int = DEFAULT_LIMIT):
@@ -33,20 +37,30 @@ class InFlight:
             raise ValueError(f"the in-flight limit must be >= 2, got {limit}")
         self.limit = limit
         self._keep = limit // 2
-        self._pending: collections.deque[jax.Array] = collections.deque()
+        self._pending: collections.deque[tuple[jax.Array, Any]] = collections.deque()
 
-    def push(self, output: jax.Array) -> None:
-        """Records a dispatched step's output; past the limit, waits for the older half."""
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, output: jax.Array, token: Any = None) -> list[Any] | None:
+        """Records a dispatched step's output; past the limit, waits for the older half.
+
+        Returns:
+          The tokens of the steps it waited for, oldest first, or None when it did not wait.
+        """
         pending = self._pending
-        pending.append(output)
-        if len(pending) > self.limit:
-            newest_to_wait = None
-            while len(pending) > self._keep:
-                newest_to_wait = pending.popleft()
-            newest_to_wait.block_until_ready()
+        pending.append((output, token))
+        if len(pending) <= self.limit:
+            return None
+        done = [pending.popleft() for _ in range(len(pending) - self._keep)]
+        done[-1][0].block_until_ready()
+        return [token for _, token in done]
 
-    def wait_all(self) -> None:
-        """Waits for every recorded step."""
-        if self._pending:
-            self._pending[-1].block_until_ready()
-            self._pending.clear()
+    def wait_all(self) -> list[Any]:
+        """Waits for every recorded step; returns their tokens, oldest first."""
+        if not self._pending:
+            return []
+        self._pending[-1][0].block_until_ready()
+        done = [token for _, token in self._pending]
+        self._pending.clear()
+        return done

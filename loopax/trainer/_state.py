@@ -1,4 +1,10 @@
-"""The train state: one pytree holding everything a step reads and writes."""
+"""The train state: one pytree holding everything a step reads and writes.
+
+Also its plain form: nested dicts of arrays keyed by the state's field names (`params`,
+`opt_state` with optax's field names, ...), which checkpoints store. The plain form reads
+back into host arrays without knowing the model, onto any device count, and is matched
+name by name against the model's state.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -18,8 +25,9 @@ class TrainState:
       opt_state: the optax optimizer state.
       model_state: the other Flax collections, e.g. `{"batch_stats": ...}`.
       rng: the base PRNG key data (uint32[2]); each step folds in the step and device.
-      train_metrics: the running states of the train metrics, in order: the moving
-        average of the loss, then the user's train metrics.
+      train_metrics: the running states of the train metrics, in order: the loss's
+        moving average and skipped-step count (one float32[3]: mean, count, skipped),
+        then the user's train metrics.
     """
 
     step: jax.Array
@@ -28,3 +36,82 @@ class TrainState:
     model_state: Any
     rng: jax.Array
     train_metrics: tuple
+
+
+def _key_name(key: Any) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def tree_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """`(path of names, leaf)` for every leaf of `tree`, in pytree order."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def to_plain(tree: Any) -> dict:
+    """`tree` as nested dicts of its leaves keyed by field names (optax namedtuples included)."""
+    plain: dict = {}
+    for path, leaf in tree_paths(tree):
+        node = plain
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = leaf
+    return plain
+
+
+def _upgrade(path: tuple[str, ...], value: Any, leaf: Any) -> Any:
+    """Reads states written by loopax 0.1, whose loss average was float32[2] (no skip count)."""
+    if (
+        path == ("train_metrics", "0")
+        and np.shape(value) == (2,)
+        and np.shape(leaf) == (3,)
+    ):
+        return np.concatenate([np.asarray(value), np.zeros((1,), np.asarray(value).dtype)])
+    return value
+
+
+def from_plain(template: Any, plain: dict, where: str) -> Any:
+    """Fills `template`'s structure with the arrays of `plain`, checking names, shapes, dtypes.
+
+    Raises:
+      ValueError: naming the first missing, extra or mismatched entry and both shapes.
+    """
+    saved = dict(tree_paths(plain))
+    leaves = []
+    for path, leaf in tree_paths(template):
+        name = "/".join(path)
+        if path not in saved:
+            raise ValueError(
+                f"{where} has no {name!r}, which the model needs; was it saved by another model "
+                "or optimizer? Use a new directory for a different model"
+            )
+        value = _upgrade(path, saved.pop(path), leaf)
+        if tuple(np.shape(value)) != tuple(np.shape(leaf)) or np.dtype(value.dtype) != np.dtype(leaf.dtype):
+            raise ValueError(
+                f"{where} holds {name!r} with shape {np.shape(value)} and dtype {value.dtype}, "
+                f"but the model has shape {np.shape(leaf)} and dtype {leaf.dtype}; use a new "
+                "directory for a different model"
+            )
+        leaves.append(value)
+    if saved:
+        extra = sorted("/".join(path) for path in saved)
+        raise ValueError(
+            f"{where} holds {extra[:5]} that the model lacks; was it saved by another model "
+            "or optimizer? Use a new directory for a different model"
+        )
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def first_non_finite(tree: Any) -> str | None:
+    """The path of the first leaf of `tree` holding a NaN or an infinity, or None.
+
+    Reads host (numpy) leaves; integer and boolean leaves are always finite.
+    """
+    for path, leaf in tree_paths(tree):
+        array = np.asarray(leaf)
+        if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
+            return "/".join(path)
+    return None

@@ -27,24 +27,33 @@ LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
 
 
 class LossMovingAverage:
-    """The built-in `moving_average_loss`: weight `max(0.01, 1/count)` per step.
+    """The built-in `moving_average_loss` (weight `max(0.01, 1/count)` per step) and the
+    count of skipped steps.
 
-    Its state is one float32[2] array `(mean, count)`: every state leaf costs the CPU
-    runtime a few microseconds per step, which shows on small models.
+    Its state is one float32[3] array `(mean, count, skipped)`: every state leaf costs the
+    CPU runtime a few microseconds per step, which shows on small models. A skipped step
+    (non-finite loss or gradient under `Trainer.skip_non_finite_steps`) leaves the mean
+    and count alone and counts itself in `skipped`, so the average is never poisoned.
     """
 
     new_example_weight = 0.01
 
     def init(self):
-        return jnp.zeros((2,), jnp.float32)
+        return jnp.zeros((3,), jnp.float32)
 
-    def accumulate(self, state, loss):
+    def accumulate(self, state, loss, ok=None):
         count = state[1] + 1.0
         weight = jnp.maximum(self.new_example_weight, 1.0 / count)
-        return jnp.stack([state[0] * (1.0 - weight) + loss * weight, count])
+        updated = jnp.stack([state[0] * (1.0 - weight) + loss * weight, count, state[2]])
+        if ok is None:
+            return updated
+        return jnp.where(ok, updated, state.at[2].add(1.0))
 
     def compute(self, state):
         return state[0]
+
+    def skipped(self, state):
+        return state[2]
 
 
 class Collectives:
@@ -110,6 +119,9 @@ class StepBuilder:
         self.collectives = Collectives(num_devices)
         self.parallel = parallel
         self.loss_average = LossMovingAverage()
+        # Set by `Trainer.skip_non_finite_steps`: a step whose loss or gradient is not
+        # finite leaves parameters, optimizer, model and metric states unchanged.
+        self.skip_non_finite = False
 
     def fresh_train_metrics(self) -> tuple:
         """The train metric states before any step: the loss average, then the user's."""
@@ -203,16 +215,26 @@ class StepBuilder:
         params = optax.apply_updates(state.params, updates)
         for update_fn in self.per_step_updates:
             params = update_fn(params)
-
-        loss_average = self.loss_average.accumulate(state.train_metrics[0], loss)
         user_states = self._update_metrics(
             self.train_metrics, state.train_metrics[1:], labels, predictions
         )
+        ok = None
+        if self.skip_non_finite:
+            # Identical on every device: the loss and gradients are already averaged.
+            ok = jnp.isfinite(loss) & _all_finite(grads)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            params = keep(params, state.params)
+            opt_state = keep(opt_state, state.opt_state)
+            new_model_state = keep(new_model_state, state.model_state)
+            user_states = keep(user_states, tuple(state.train_metrics[1:]))
+        loss_average = self.loss_average.accumulate(state.train_metrics[0], loss, ok)
         values = (
             loss,
             self.loss_average.compute(loss_average),
             *(m.compute(s) for m, s in zip(self.train_metrics, user_states)),
         )
+        if self.skip_non_finite:
+            values = (*values, self.loss_average.skipped(loss_average))
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -238,6 +260,11 @@ class StepBuilder:
             *(m.compute(s) for m, s in zip(self.eval_metrics, user_states)),
         )
         return (loss_state, *user_states), values
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves])) if leaves else jnp.bool_(True)
 
 
 def make_parallel(

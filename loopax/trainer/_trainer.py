@@ -13,15 +13,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
 from . import _steps
 from ._context import ModelFn, ModelModule
 from ._datasets import Dataset, as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._inflight import InFlight
-from ._state import TrainState
+from ._state import TrainState, from_plain, to_plain
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 _RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
+SKIPPED_STEPS = "skipped_steps"  # a train metric while `skip_non_finite_steps` is on
 _RESERVED_EVAL_NAMES = ("mean_loss",)
 
 
@@ -136,7 +138,9 @@ class Trainer:
         self.model_fn = model_fn
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.train_metrics = _check_metrics(train_metrics, "train", _RESERVED_TRAIN_NAMES)
+        self.train_metrics = _check_metrics(
+            train_metrics, "train", (*_RESERVED_TRAIN_NAMES, SKIPPED_STEPS)
+        )
         self.eval_metrics = _check_metrics(eval_metrics, "eval", _RESERVED_EVAL_NAMES)
         self.seed = seed
         self.parallel = parallel
@@ -153,7 +157,8 @@ class Trainer:
             self._module, loss_fn, optimizer, self.train_metrics, self.eval_metrics,
             self._per_step_updates, self.num_devices, parallel,
         )
-        self.train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
+        self._train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
+        self._step_metric_names = self._train_metric_names  # what train_step returns now
         self.eval_metric_names = (*_RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
         self._cache = ExecutorCache(max_executors)
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
@@ -164,6 +169,9 @@ class Trainer:
         self._rng: jax.Array | None = None
         self._eval_states: tuple | None = None
         self._global_step = 0
+        # Where a state loaded before the first batch came from; the model's variables
+        # are checked against it when the first batch shows their shapes.
+        self._unverified_source: str | None = None
 
     # -- public attributes ----------------------------------------------------------------
 
@@ -212,6 +220,118 @@ class Trainer:
         """The trainable parameters, or None before the first step."""
         state = self.state
         return None if state is None else state.params
+
+    @property
+    def train_metric_names(self) -> tuple[str, ...]:
+        """The keys of `train_step`'s metrics, in order."""
+        return self._step_metric_names
+
+    def state_dict(self) -> dict | None:
+        """The train state as nested dicts of host arrays keyed by field names, or None
+        before the first step.
+
+        This is what checkpoints store: `params` and `model_state` as the model names
+        them, `opt_state` with optax's field names, `step`, `rng`, `train_metrics`.
+        """
+        state = self.state
+        if state is None:
+            return None
+        # A real copy: the next train step donates (reuses) the device buffers, and on CPU
+        # `device_get` may return a view of them.
+        return jax.tree.map(np.array, to_plain(state))
+
+    def load_state_dict(self, tree: dict, *, where: str = "the given state") -> None:
+        """Replaces the train state with `tree`, as `state_dict` returns it.
+
+        Works before the first batch too: the state is then built from `tree` at once
+        (`params`, `state`, `global_step` are available right away), and the model's
+        variables are checked against it when the first batch shows their shapes.
+
+        Args:
+          tree: nested dicts of arrays, as `state_dict()` returns.
+          where: what `tree` is, for error messages (e.g. the checkpoint's path).
+
+        Raises:
+          ValueError: `tree` does not fit the model's state (naming the first differing
+            entry and both shapes).
+        """
+        if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
+            raise ValueError(f"{where} is not a loopax train state: it has no 'params' dict")
+        if self._state is not None:
+            self.state = from_plain(self.state, tree, where)
+            return
+        params = jax.tree.map(np.asarray, tree["params"])
+        template = TrainState(
+            step=np.zeros((), np.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=jax.tree.map(np.asarray, tree.get("model_state", {})),
+            rng=np.zeros((2,), np.uint32),
+            train_metrics=self._steps.fresh_train_metrics(),
+        )
+        self._adopt(from_plain(template, tree, where))
+        self._unverified_source = where
+
+    def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
+        """Checks a state loaded before the first batch against the model's variables."""
+        where, self._unverified_source = self._unverified_source, None
+        expected = dict(jax.eval_shape(self._make_initializer(spec), jax.random.PRNGKey(self.seed), inputs))
+        expected_params = expected.pop("params", {})
+        state = self.state
+        from_plain(
+            {"params": expected_params, "model_state": expected},
+            to_plain({"params": state.params, "model_state": state.model_state}),
+            where,
+        )
+
+    def skip_non_finite_steps(self, enabled: bool = True) -> None:
+        """Compiles train steps that skip an update whose loss or gradient is not finite.
+
+        A skipped step leaves the parameters, optimizer state, model state and train
+        metric states unchanged (the global step still advances), and `train_step` then
+        also returns `"skipped_steps"`: the steps skipped since the train metrics were last
+        reset. `hooks.nan_guard` turns this on. Compiled steps are dropped.
+        """
+        enabled = bool(enabled)
+        if enabled != self._steps.skip_non_finite:
+            self._steps.skip_non_finite = enabled
+            self._step_metric_names = (
+                (*self._train_metric_names, SKIPPED_STEPS) if enabled else self._train_metric_names
+            )
+            self._cache.clear()
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The optimizer's live learning rate, or None when it has none to read (build it
+        with `loopax.optimizers` or `optax.inject_hyperparams`) or before the first step."""
+        rate = self.learning_rate_array()
+        return None if rate is None else float(np.asarray(jax.device_get(rate)))
+
+    def learning_rate_array(self) -> jax.Array | None:
+        """A device copy of the live learning rate, without waiting for the device (the
+        state's own buffers are reused by the next step), or None as `learning_rate`."""
+        if self._state is None:
+            return None
+        rate = get_learning_rate(self._state.opt_state)
+        if rate is None:
+            return None
+        return jnp.copy(rate[0] if self.parallel == "pmap" else rate)
+
+    def set_learning_rate(self, value: float) -> None:
+        """Sets the optimizer's learning rate for the next steps, without recompiling.
+
+        Raises:
+          RuntimeError: before the first step (the optimizer state does not exist yet).
+          ValueError: the optimizer has no injectable learning rate, or a schedule drives
+            it (see `loopax.optimizers.set_learning_rate`).
+        """
+        state = self.state
+        if state is None:
+            raise RuntimeError(
+                "the learning rate can be set once the optimizer state exists, after the "
+                "trainer's first step"
+            )
+        self.state = state.replace(opt_state=set_learning_rate(state.opt_state, value))
 
     # -- configuration --------------------------------------------------------------------
 
@@ -272,15 +392,15 @@ class Trainer:
         """Resets the running eval metrics (evaluate() does this at its start)."""
         self._eval_states = None
 
-    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
+    def _make_initializer(self, spec: Any) -> Callable[..., Any]:
         per_device = self._steps.init_variables
+        return _steps.make_initializer(lambda key, xs: per_device(spec, key, xs), self.mesh)
+
+    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
         rng = jax.random.PRNGKey(self.seed)
-        initializer = _steps.make_initializer(
-            lambda key, xs: per_device(spec, key, xs), self.mesh
-        )
         if self._multi_process:
             inputs = self._to_global(inputs)
-        variables = initializer(rng, inputs)
+        variables = self._make_initializer(spec)(rng, inputs)
         params = variables.pop("params", {})
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -340,6 +460,10 @@ class Trainer:
         self._validate_batch(graph, spec, key[1], inputs, labels)
         if self._state is None:
             self._initialize(spec, inputs)
+        elif self._unverified_source is not None:
+            self._verify_loaded_state(
+                spec, self._to_global(inputs) if self._multi_process else inputs
+            )
         started = time.perf_counter()
         global_inputs, global_labels = inputs, labels
         if self._multi_process:
@@ -418,7 +542,7 @@ class Trainer:
             inputs, labels = self._to_global(inputs), self._to_global(labels)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
-        return dict(zip(self.train_metric_names, values))
+        return dict(zip(self._step_metric_names, values))
 
     def _fresh_eval_states(self) -> Any:
         fresh = self._steps.fresh_eval_metrics()

@@ -4,9 +4,11 @@
                                 [--kill-in-commit STEP] [--exit-after-save STEP]
 
 `--kill-after-save S` sends SIGKILL to itself right after the save of global step S was issued
-(its background write still in flight); `--kill-in-commit S` does it inside Orbax's commit of
-step S, after the data was written but before the checkpoint became valid; `--exit-after-save S`
-leaves the interpreter normally right after issuing the save of step S. Without those it
+(its background write still in flight: saves are handed to the writer thread once the hooks
+of their step have run, so the kill comes in the next step's first hook); `--kill-in-commit S`
+does it inside Orbax's commit of step S, after the data was written but before the checkpoint
+became valid; `--exit-after-save S` leaves the interpreter normally right after issuing the
+save of step S. Without those it
 runs to TARGET_STEP and writes the final parameters to OUT.npz (no pickle).
 """
 
@@ -76,14 +78,14 @@ def main():
     print(f"resumed from step {checkpointer.restored_step}", flush=True)
     if args.kill_after_save is not None:
         def kill_after_save(loop, metrics):
-            if trainer.global_step == args.kill_after_save:
+            if trainer.global_step == args.kill_after_save + 1:
                 kill_self()
-        loop.on_step("kill", kill_after_save, loopax.Priority.CHECKPOINT + 1)
+        loop.on_step("kill", kill_after_save, loopax.Priority.VALIDATE)
     if args.exit_after_save is not None:
         def exit_after_save(loop, metrics):
-            if trainer.global_step == args.exit_after_save:
+            if trainer.global_step == args.exit_after_save + 1:
                 raise SystemExit(3)  # not an Exception: leaves the loop and the interpreter
-        loop.on_step("exit", exit_after_save, loopax.Priority.CHECKPOINT + 1)
+        loop.on_step("exit", exit_after_save, loopax.Priority.VALIDATE)
     loop.run_to_step(make_dataset(), args.target)
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
     np.savez(args.out, **{jax.tree_util.keystr(path): leaf for path, leaf in leaves})

@@ -136,7 +136,7 @@ def test_saves_on_trigger_and_at_the_end_of_every_run(trainer, tmp_path):
     assert checkpointer.latest_step() == 7
 
 
-def test_restore_in_a_fresh_trainer_continues_steps_before_the_first_batch(trainer, tmp_path):
+def test_restore_in_a_fresh_trainer_has_the_state_before_the_first_batch(trainer, tmp_path):
     dataset = make_dataset()
     loop = loopax.Loop(trainer)
     hooks.checkpoint(loop, tmp_path, every_n_steps=2).wait()
@@ -147,7 +147,8 @@ def test_restore_in_a_fresh_trainer_continues_steps_before_the_first_batch(train
     checkpointer = hooks.checkpoint(resumed_loop, tmp_path)
     assert checkpointer.restored_step == 5
     assert (resumed.global_step, resumed_loop.loop_step) == (5, 5)
-    assert resumed.state is None  # the arrays arrive with the first batch
+    # The state is there before any batch, e.g. for a run that has nothing left to do.
+    assert_trees_equal(trainer.state, resumed.state)
     assert resumed_loop.run_to_step(make_dataset(), 5) == {}  # already there: a no-op
     assert resumed.global_step == 5 and checkpointer.all_steps() == [2, 4, 5]
     resumed_loop.run_to_step(make_dataset(), 6)  # the dataset position comes back too
@@ -219,10 +220,9 @@ def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_ste
 
     def fake_evaluation(loop, metrics):
         if loop.loop_step in losses:
-            loop.shared_data["eval"] = {"test": {"mean_loss": losses[loop.loop_step]}}
-            loop.shared_data["eval_step"] = trainer.global_step
-        else:
-            loop.shared_data["eval"] = {"test": {"mean_loss": -100.0}}  # from another step
+            loop.history.record(trainer.global_step, {"eval/test/mean_loss": losses[loop.loop_step]})
+        else:  # a value of another step says nothing about this one
+            loop.history.record(trainer.global_step - 1, {"eval/test/mean_loss": -100.0})
 
     loop = loopax.Loop(trainer)
     loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
@@ -271,7 +271,7 @@ def test_falls_back_from_a_damaged_newest_checkpoint_and_keeps_it(trainer, tmp_p
         path.write_bytes(b"not an array" * 10)
 
     loop = loopax.Loop(trainer)
-    with pytest.warns(RuntimeWarning, match=r"checkpoint '.*4' could not be read .*falling back"):
+    with pytest.warns(RuntimeWarning, match=r"checkpoint '.*4' is damaged .*falling back"):
         checkpointer = hooks.checkpoint(loop, tmp_path)
     assert checkpointer.restored_step == 2
     assert (trainer.global_step, loop.loop_step) == (2, 2)
@@ -285,7 +285,7 @@ def test_falls_back_from_a_damaged_newest_checkpoint_and_keeps_it(trainer, tmp_p
 def test_a_damaged_description_falls_back_too(trainer, tmp_path):
     train(trainer, tmp_path, 4, every_n_steps=2)
     (tmp_path / "4" / "loopax" / "metadata").write_text("{not json")
-    with pytest.warns(RuntimeWarning, match="could not be read"):
+    with pytest.warns(RuntimeWarning, match="is damaged"):
         checkpointer = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
     assert checkpointer.restored_step == 2
 

@@ -10,33 +10,35 @@ import loopax
 from loopax import hooks
 
 
-def test_evaluate_every_n_steps_shares_results_and_runs_once_per_step(tmp_path):
+def test_one_evaluation_per_scheduled_point_with_every_writer_attached(tmp_path):
     trainer = make_trainer()
     loop = loopax.Loop(trainer)
     test = CountingDataset(make_data("test", 2, seed=1, shuffle=False))
     evaluator = hooks.evaluate(loop, test, every_n_steps=4)
-    # Another hook asking for the same evaluation at the same steps reuses it.
-    seen = []
-
-    def read_shared(loop, metrics):
-        seen.append((loop.shared_data["eval_step"], dict(loop.shared_data["eval"]["test"])))
-
-    hooks.every_n_steps(loop, 4, "read", read_shared, priority=loopax.Priority.LOG)
-    plotter = hooks.plot(loop, tmp_path, eval_datasets=[test], start_step=4, factor=2,
-                         render=False)
-    del plotter
+    published = []
+    loop.on_evaluation("listener", lambda loop, evaluation: published.append(evaluation))
+    # Every writer listens; the plot asked for the same dataset but uses the scheduled
+    # evaluations instead of running its own; another hook asking again reuses them.
+    hooks.plot(loop, tmp_path / "plots", eval_datasets=[test], start_step=4, factor=2,
+               render=False)
+    hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=2)
+    hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=2)
+    reused = []
+    hooks.every_n_steps(loop, 4, "again", lambda loop, m: reused.append(loop.evaluate(test)),
+                        priority=loopax.Priority.LOG)
     loop.run_steps(make_data(loop_forever=True), 12)
 
     assert [step for step, _ in evaluator.history] == [4, 8, 12]
-    assert [step for step, _ in seen] == [4, 8, 12]
-    for (_, results), (_, shared) in zip(evaluator.history, seen):
-        assert results["test"] == shared
-        assert list(shared) == ["mean_loss", "Accuracy"]
-        assert all(isinstance(value, float) for value in shared.values())
-    # plot fires after loop step 4 (global step 5) and at the end (12); evaluate at global
-    # steps 4, 8, 12 and at the end (12 again). One evaluation per distinct step: 4, 5, 8, 12.
-    assert test.resets == 4
-    assert loop.shared_data["eval_step"] == 12 == trainer.global_step
+    assert test.resets == 3  # evaluated once at each of global steps 4, 8 and 12
+    assert [(e.step, e.dataset) for e in published] == [(4, "test"), (8, "test"), (12, "test")]
+    assert reused == published  # the same records, not new evaluations
+    for evaluation, (_, results) in zip(published, evaluator.history):
+        assert dict(evaluation.values) == results["test"]
+        assert list(evaluation.values) == ["mean_loss", "Accuracy"]
+        assert all(isinstance(value, float) for value in evaluation.values.values())
+    assert loop.history["eval/test/Accuracy"] == [
+        (e.step, e.values["Accuracy"]) for e in published]
+    assert loop.evaluation("test") is published[-1]
 
 
 def test_evaluate_n_times_and_on_end():

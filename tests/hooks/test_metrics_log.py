@@ -27,15 +27,19 @@ def test_csv_with_train_and_eval_points(tmp_path):
 
     rows = read_csv(tmp_path / "logs" / "metrics.csv")
     assert list(rows[0]) == ["metric", "short", "type", "step", "value"]
-    train_steps = sorted({int(r["step"]) for r in rows if r["metric"].startswith("Train: ")})
+    train_steps = sorted({int(r["step"]) for r in rows if r["metric"].startswith("train/")})
     assert train_steps == [2, 4, 6, 7]  # every 2 steps, then the end of the run
-    eval_rows = [r for r in rows if r["metric"].endswith(" on test")]
+    assert {r["metric"] for r in rows if r["metric"].startswith("train/")} == {
+        "train/loss", "train/moving_average_loss", "train/Moving Average Accuracy"}
+    eval_rows = [r for r in rows if r["metric"].startswith("eval/test/")]
     assert [(r["metric"], r["short"], r["type"], int(r["step"])) for r in eval_rows] == [
-        ("Mean Loss on test", "#loss", "loss", 3), ("Accuracy on test", "acc", "accuracy", 3),
-        ("Mean Loss on test", "#loss", "loss", 6), ("Accuracy on test", "acc", "accuracy", 6),
+        ("eval/test/mean_loss", "#loss", "loss", 3), ("eval/test/Accuracy", "acc", "accuracy", 3),
+        ("eval/test/mean_loss", "#loss", "loss", 6), ("eval/test/Accuracy", "acc", "accuracy", 6),
     ]
-    assert float(eval_rows[-1]["value"]) == pytest.approx(
-        loop.shared_data["eval"]["test"]["Accuracy"])
+    assert float(eval_rows[-1]["value"]) == pytest.approx(loop.history["eval/test/Accuracy"][-1][1])
+    # The same keys and values as the loop's history.
+    for row in rows:
+        assert (int(row["step"]), pytest.approx(float(row["value"]))) in loop.history[row["metric"]]
     assert len(rows) == 4 * 3 + 4
 
 
@@ -53,7 +57,7 @@ def test_json_lines_and_resume(tmp_path):
     hooks.metrics_log(resumed, path, every_n_steps=3, format="jsonl")
     resumed.run_steps(make_data(loop_forever=True), 5)
     points = [json.loads(line) for line in path.read_text().splitlines()]
-    steps = [p["step"] for p in points if p["metric"] == "Train: Batch Loss"]
+    steps = [p["step"] for p in points if p["metric"] == "train/loss"]
     assert steps == [3, 6, 8]  # 6 and 7 of the abandoned run are dropped, then run again
     assert set(points[0]) == {"metric", "short", "type", "step", "value"}
 

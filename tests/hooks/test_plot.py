@@ -14,12 +14,11 @@ from observability_helpers import make_data, make_trainer, record_compilations
 
 import loopax
 from loopax import hooks
-from loopax.hooks._points import train_points
+from loopax.hooks._points import points_of
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))
-TRAIN_SERIES = {"Train: Batch Loss", "Train: Moving Average Loss",
-                "Train: Moving Average Accuracy"}
-EVAL_SERIES = {"Mean Loss on test", "Accuracy on test"}
+TRAIN_SERIES = {"train/loss", "train/moving_average_loss", "train/Moving Average Accuracy"}
+EVAL_SERIES = {"eval/test/mean_loss", "eval/test/Accuracy"}
 
 
 def read_points(directory):
@@ -50,12 +49,14 @@ def test_points_and_pngs(tmp_path):
     expected_steps = [4, 10, 20]
     for metric in TRAIN_SERIES | EVAL_SERIES:
         assert steps_of(points, metric) == expected_steps
-    first = points[0]
-    assert first == {"metric": "Train: Batch Loss", "short": "batch", "type": "loss",
+    first = [p for p in points if p["metric"] == "train/loss"][0]
+    assert first == {"metric": "train/loss", "short": "batch", "type": "loss",
                      "step": 4, "value": first["value"]}
-    accuracy = [p for p in points if p["metric"] == "Accuracy on test"]
+    accuracy = [p for p in points if p["metric"] == "eval/test/Accuracy"]
     assert {(p["short"], p["type"]) for p in accuracy} == {("acc", "accuracy")}
-    assert accuracy[-1]["value"] == pytest.approx(loop.shared_data["eval"]["test"]["Accuracy"])
+    # One key for one metric: the plot's series are the loop's history keys, same values.
+    for point in points:
+        assert (point["step"], pytest.approx(point["value"])) in loop.history[point["metric"]]
     assert compiled == []
 
     assert sorted(os.path.basename(path) for path in plotter.png_paths) == ["accuracy.png", "loss.png"]
@@ -80,9 +81,9 @@ def test_resume_into_the_same_directory_continues_the_curves(tmp_path):
     checkpoint = jax.device_get(trainer.state)  # "checkpoint" at global step 6
     loop.run_steps(make_data(loop_forever=True), 6)
     before = read_points(tmp_path)
-    # Grid 2, then the end of the first run (6); the second run starts at 6 so its first grid
-    # point is 14: only its end (12).
-    assert steps_of(before, "Train: Batch Loss") == [3, 6, 12]
+    # Grid 2 (global step 3), then the end of the first run (6); the second run starts on
+    # grid point 6, which still fires (7), then its end (12).
+    assert steps_of(before, "train/loss") == [3, 6, 7, 12]
 
     # A new process restores the checkpoint of step 6 and plots into the same directory:
     # the points after step 6 are dropped, then the grid continues.
@@ -91,16 +92,16 @@ def test_resume_into_the_same_directory_continues_the_curves(tmp_path):
     plotter = hooks.plot(resumed, tmp_path, start_step=2, factor=2)
     resumed.run_steps(make_data(loop_forever=True), 10)
     after = read_points(tmp_path)
-    assert steps_of(after, "Train: Batch Loss") == [3, 6, 15, 16]  # grid point 14, then end
+    assert steps_of(after, "train/loss") == [3, 6, 7, 15, 16]  # grid 6 and 14, then the end
     assert after[: 2 * 3] == before[: 2 * 3]  # the points up to step 6 are kept as they were
     assert sorted(os.path.basename(p) for p in plotter.png_paths) == ["accuracy.png", "loss.png"]
 
 
 def test_non_finite_values_are_skipped():
     trainer = make_trainer()
-    points = train_points(trainer, {"loss": float("nan"), "moving_average_loss": 1.5,
-                                    "Moving Average Accuracy": float("inf")}, step=7)
-    assert points == [{"metric": "Train: Moving Average Loss", "short": "~loss", "type": "loss",
+    points = points_of(trainer, 7, {"train/loss": float("nan"), "train/moving_average_loss": 1.5,
+                                    "train/Moving Average Accuracy": float("inf")})
+    assert points == [{"metric": "train/moving_average_loss", "short": "~loss", "type": "loss",
                        "step": 7, "value": 1.5}]
 
 

@@ -50,8 +50,8 @@ def test_scalars_read_back_with_event_accumulator(tmp_path):
     loop, writer, recorded, compiled = run_logged(tmp_path, every_n_steps=5)
     events = read_events(tmp_path)
     scalar_tags = events.Tags()["scalars"]
-    assert set(scalar_tags) == {*TRAIN_TAGS, "train/learning_rate", "test/mean_loss",
-                                "test/Accuracy"}
+    assert set(scalar_tags) == {*TRAIN_TAGS, "train/learning_rate", "eval/test/mean_loss",
+                                "eval/test/Accuracy"}
     for tag in TRAIN_TAGS:
         scalars = events.Scalars(tag)
         # every 5 steps (global steps 5, 10) and at the end of the run (12)
@@ -60,10 +60,10 @@ def test_scalars_read_back_with_event_accumulator(tmp_path):
         np.testing.assert_allclose([s.value for s in scalars],
                                    [recorded[step][key] for step in (5, 10, 12)], rtol=1e-6)
     assert [s.value for s in events.Scalars("train/learning_rate")] == pytest.approx([LEARNING_RATE] * 3)
-    evaluations = loop.shared_data
-    assert [s.step for s in events.Scalars("test/mean_loss")] == [6, 12]
-    assert events.Scalars("test/Accuracy")[-1].value == pytest.approx(
-        evaluations["eval"]["test"]["Accuracy"])
+    assert [s.step for s in events.Scalars("eval/test/mean_loss")] == [6, 12]
+    # One key for one metric: TensorBoard's tags are the loop's history keys, same values.
+    for tag in scalar_tags:
+        assert [(s.step, pytest.approx(s.value)) for s in events.Scalars(tag)] == loop.history[tag]
     # The run summary, as Markdown text at the first step.
     summary = events.Tensors("run/summary")
     text = summary[0].tensor_proto.string_val[0].decode()
@@ -93,7 +93,7 @@ def test_histograms_and_a_second_run(tmp_path):
     assert [s.step for s in events.Scalars("train/loss")] == [4, 7]
     writer.close()
     with pytest.raises(RuntimeError, match="closed"):
-        writer.add_scalars(8, {"train/loss": 0.0})
+        writer.write_scalars(8, {"train/loss": 0.0})
 
 
 def test_rejects_bad_arguments(tmp_path):
@@ -136,11 +136,11 @@ def test_a_real_tensorboard_server_serves_the_scalars(tmp_path):
                 tags = _get_json(f"{base}/tags")
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 tags = {}
-            if tags.get(".", {}).get("test/Accuracy"):
+            if tags.get(".", {}).get("eval/test/Accuracy"):
                 break
             time.sleep(0.25)  # polling an external server: nothing to inject a clock into
         assert set(tags) == {"."}, tags
-        assert {*TRAIN_TAGS, "train/learning_rate", "test/mean_loss"} <= set(tags["."])
+        assert {*TRAIN_TAGS, "train/learning_rate", "eval/test/mean_loss"} <= set(tags["."])
         query = urllib.parse.urlencode({"tag": "train/loss", "run": "."})
         points = _get_json(f"{base}/scalars?{query}")  # [[wall_time, step, value], ...]
         assert [step for _, step, _ in points] == [4, 8, 12]
@@ -181,7 +181,8 @@ def test_hooks_read_the_device_only_on_the_steps_they_fire(tmp_path, monkeypatch
 
     monkeypatch.setattr(jax, "device_get", counting_device_get)
     loop.run_steps(make_data(loop_forever=True), 12)
-    # Step 0: the progress bar's first refresh; step 6: the hooks firing every 7 steps; 7: the
-    # plot's grid point 7 (the loss check before LOG-band triggers and the metrics); then the
-    # end of the run (loop_step is 12 by then). No other step reads anything.
-    assert sorted(set(reads)) == [0, 6, 7, 12]
+    # Step 0: the progress bar's first refresh; step 6: the evaluation every 7 steps; then the
+    # end of the run (loop_step is 12 by then), where the loop waits for its steps and hands
+    # the writers the train metrics they asked for at steps 6 and 7. No other step reads
+    # anything: the writers never make the loop wait.
+    assert sorted(set(reads)) == [0, 6, 12]

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import loopax
+from loopax import hooks
 from loopax.hooks import (
     every_n_steps,
     exponential_callback,
@@ -315,8 +316,12 @@ def test_hook_names_and_returned_triggers(loop):
     assert [name for _, name in loop.hooks("OnStep")] == names
     assert [name for _, name in loop.hooks("OnEnd")] == names[2:]
     assert [trigger.name for trigger in triggers] == names
-    assert loop._triggers == triggers
-    assert all(trigger.checks_finite_lazily for trigger in triggers)
+    assert [type(trigger.schedule) for trigger in triggers] == [
+        hooks.EveryNSteps, hooks.NTimes, hooks.Periodic, hooks.Exponential]
+    # Their positions are part of the loop's checkpointed state, under the hook names.
+    assert list(loop.get_state()["hooks"]) == names
+    # Default-band hooks do not wait for the loss check before they run.
+    assert not any(trigger.check_finite for trigger in triggers)
 
 
 def test_hook_error_names_the_trigger_hook(loop, dataset):
@@ -364,7 +369,8 @@ def test_triggers_run_in_priority_order(loop, dataset):
 def test_invalid_arguments_raise_at_registration(loop, register, message):
     with pytest.raises(ValueError, match=message):
         register(loop, lambda loop, metrics: None)
-    assert loop.hooks("OnStep") == [] and loop.hooks("OnEnd") == [] and loop._triggers == []
+    assert loop.hooks("OnStep") == [] and loop.hooks("OnEnd") == []
+    assert loop.get_state()["hooks"] == {}
 
 
 def test_trigger_states_are_json_serializable(loop, dataset):
@@ -374,10 +380,14 @@ def test_trigger_states_are_json_serializable(loop, dataset):
     periodic_callback(loop, 1, "c", noop, clock=FakeClock())
     exponential_callback(loop, 10, 1.5, "d", noop)
     loop.run_steps(dataset, 7)
-    states = [trigger.get_state() for trigger in loop._triggers]
-    assert json.loads(json.dumps(states)) == [{}, {"start_step": 0, "end_step": 7}, {}, {}]
-    for trigger, state in zip(loop._triggers, states):
-        trigger.set_state(state)
+    states = loop.get_state()["hooks"]
+    assert json.loads(json.dumps(states)) == {
+        "every_n_steps(10): a": {},
+        "n_times_during_loop(5): b": {"start_step": 0, "end_step": 7},
+        "periodic_callback(1s): c": {},
+        "exponential_callback(10, 1.5): d": {},
+    }
+    loop.set_state({"hooks": states})
 
 
 # the lazy finite-loss check
@@ -385,13 +395,13 @@ def test_trigger_states_are_json_serializable(loop, dataset):
 
 def test_checkpoint_band_trigger_checks_the_loss_only_when_it_fires(loop, dataset):
     checked_at, fired = [], []
-    check_finite = loop._check_finite
+    check_finite = loop.check_finite
 
     def counting_check_finite():
         checked_at.append(loop.loop_step)
         check_finite()
 
-    loop._check_finite = counting_check_finite
+    loop.check_finite = counting_check_finite
     every_n_steps(loop, 10, "ckpt", recorder(fired), priority=loopax.Priority.CHECKPOINT)
     every_n_steps(loop, 10, "plain", lambda loop, metrics: None)
     loop.run_steps(dataset, 35)
@@ -410,17 +420,23 @@ def test_checkpoint_band_trigger_refuses_a_non_finite_loss(loop):
     if not isinstance(non_finite, loopax.NonFiniteLossError):
         non_finite = non_finite.__cause__
     assert isinstance(non_finite, loopax.NonFiniteLossError)
-    assert "step 9" in str(non_finite)
+    # It names the first bad step, not the step where it was noticed.
+    assert "at step 0 " in str(non_finite) and non_finite.step == 0
 
 
-def test_default_band_trigger_does_not_check_the_loss(loop):
+def test_default_band_trigger_does_not_wait_for_the_check_but_the_run_still_stops(loop):
     fired = []
     every_n_steps(loop, 10, "plain", recorder(fired))
-    loop.run_steps(make_dataset(8, label=float("nan")), 35)
-    assert fired == [9, 19, 29]
+    with pytest.raises(loopax.NonFiniteLossError, match="at step 0 ") as error:
+        loop.run_steps(make_dataset(8, label=float("nan")), 100)
+    assert error.value.step == 0
+    # Noticed when the loop waited for the steps in flight (at most 8 on several devices, 32
+    # on one), and the plain hook ran on the steps before it without waiting.
+    assert loop.loop_step <= 33
+    assert fired == [step for step in (9, 19, 29) if step < loop.loop_step]
 
 
 def test_non_int_priority_is_rejected_at_registration(loop):
     with pytest.raises(TypeError, match=r"priority must be an int"):
         every_n_steps(loop, 10, "x", lambda loop, metrics: None, priority=2.5)
-    assert loop.hooks("OnStep") == [] and loop._triggers == []
+    assert loop.hooks("OnStep") == [] and loop.get_state()["hooks"] == {}

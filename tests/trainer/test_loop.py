@@ -213,7 +213,10 @@ def test_run_to_step_runs_only_the_remaining_steps(loop):
     assert loop.trainer.global_step == 5 and loop.loop_step == 5
     recorder.calls.clear()
     assert loop.run_to_step(dataset, 5) == {}
-    assert loop.run_to_step(dataset, 2) == {}
+    with pytest.warns(RuntimeWarning, match=r"already at global step 5, past the target"):
+        assert loop.run_to_step(dataset, 2) == {}
+    with pytest.raises(ValueError, match=r"global_step must be an int >= 0, got global_step=-5"):
+        loop.run_to_step(dataset, -5)
     assert recorder.calls == []
     assert loop.trainer.global_step == 5 and loop.loop_step == 5
 
@@ -442,18 +445,27 @@ def test_non_finite_loss_at_the_last_step_stops_before_on_end_checkpoints(loop):
     assert ended == []
 
 
-def test_hooks_that_check_lazily_are_not_preceded_by_the_check(loop):
+def test_hooks_registered_without_the_check_are_not_preceded_by_it(loop):
     calls = []
 
     def lazy_checkpoint(loop, metrics):
         calls.append(("lazy", loop.loop_step))
 
-    lazy_checkpoint.checks_finite_lazily = True
-    loop.on_step("lazy", lazy_checkpoint, priority=Priority.CHECKPOINT)
-    loop.on_step("ui", lambda loop, m: calls.append(("ui", loop.loop_step)), priority=Priority.UI)
+    loop.on_step("lazy", lazy_checkpoint, priority=Priority.CHECKPOINT, check_finite=False)
+    loop.on_step("ui", lambda loop, m: calls.append(("ui", loop.loop_step)), priority=Priority.UI,
+                 check_finite=False)
     with pytest.raises(loopax.NonFiniteLossError, match="step 1"):
         loop.run_steps(nan_at(1, 3), 3)
-    assert calls == [("lazy", 0), ("ui", 0), ("lazy", 1)]
+    # They ran at every step; the run still stopped before OnEnd, naming the first bad step.
+    assert calls == [("lazy", 0), ("ui", 0), ("lazy", 1), ("ui", 1), ("lazy", 2), ("ui", 2)]
+
+
+def test_a_default_band_hook_can_ask_for_the_check(loop):
+    calls = []
+    loop.on_step("careful", lambda loop, m: calls.append(loop.loop_step), check_finite=True)
+    with pytest.raises(loopax.NonFiniteLossError, match="step 1"):
+        loop.run_steps(nan_at(1, 3), 3)
+    assert calls == [0]
 
 
 def test_a_hook_raising_non_finite_loss_error_is_not_wrapped(loop):
@@ -461,18 +473,39 @@ def test_a_hook_raising_non_finite_loss_error_is_not_wrapped(loop):
         if loop.loop_step == 1:
             raise loopax.NonFiniteLossError("found by the hook at step 1")
 
-    lazy_check.checks_finite_lazily = True
-    loop.on_step("lazy", lazy_check, priority=Priority.CHECKPOINT)
+    loop.on_step("lazy", lazy_check, priority=Priority.CHECKPOINT, check_finite=False)
     with pytest.raises(loopax.NonFiniteLossError, match="step 1"):
         loop.run_steps(make_dataset(1), 3)
 
 
-def test_non_finite_loss_without_protected_hooks_does_not_stop_the_run(loop):
-    seen = []
-    loop.on_step("default", lambda loop, m: seen.append(loop.loop_step))
-    metrics = loop.run_steps(nan_at(1, 3), 3)
-    assert seen == [0, 1, 2]
-    assert np.isnan(float(metrics["loss"]))
+def test_non_finite_loss_stops_a_run_without_any_hook_naming_the_first_bad_step(loop):
+    # The losses are read when the loop waits for its steps in flight: no sync per step.
+    with pytest.raises(loopax.NonFiniteLossError, match=r"at step 4 \(global step 5\)") as error:
+        loop.run_steps(nan_at(4, 80), 80)
+    assert error.value.step == 4
+    assert loop.trainer.global_step <= 4 + 33  # within one in-flight window of it
+
+
+def test_a_short_run_is_checked_at_its_end(loop):
+    with pytest.raises(loopax.NonFiniteLossError, match="step 1"):
+        loop.run_steps(nan_at(1, 3), 3)
+
+
+def test_check_finite_is_public_and_names_the_first_bad_step(loop):
+    errors = []
+
+    def probe(loop, metrics):
+        if loop.loop_step == 6:
+            try:
+                loop.check_finite()
+            except loopax.NonFiniteLossError as err:
+                errors.append(err.step)
+                loop.request_stop("found")
+
+    loop.on_step("probe", probe)
+    with pytest.raises(loopax.NonFiniteLossError):
+        loop.run_steps(nan_at(3, 10), 10)
+    assert errors == [3]
 
 
 def test_infinite_loss_is_caught_too(loop):

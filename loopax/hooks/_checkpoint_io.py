@@ -1,0 +1,104 @@
+"""Reading, verifying and setting aside loopax checkpoints.
+
+A checkpoint is good only if its description is a loopax one for its step, every array's
+checksum (CRC-32 of shape, dtype and bytes, written by the background writer) matches, and
+every float array is finite. Anything else makes it damaged: it is moved to
+`<directory>/damaged/` (never deleted) and the next newest is tried.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..trainer._state import first_non_finite, tree_paths
+from ._checkpoint_format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, STATE_ITEM, VERSION
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint could not be read, or its arrays are not what was saved."""
+
+
+def checksums(plain: dict) -> dict[str, str]:
+    """`{"params/Dense_0/kernel": "crc32 hex", ...}` over each array's shape, dtype and bytes."""
+    result = {}
+    for path, leaf in tree_paths(plain):
+        array = np.ascontiguousarray(leaf)
+        crc = zlib.crc32(f"{array.dtype.str}{array.shape}".encode())
+        crc = zlib.crc32(memoryview(array).cast("B"), crc) if array.size else crc
+        result["/".join(path)] = f"{crc:08x}"
+    return result
+
+
+def verify(plain: dict, bundle: dict) -> None:
+    """Raises `DamagedCheckpointError` unless `plain` matches the checksums in `bundle` and
+    holds only finite floats. Checkpoints of loopax 0.1 have no checksums: only finiteness
+    is checked for them."""
+    expected = bundle.get("checksums")
+    if expected is not None:
+        actual = checksums(plain)
+        for name in sorted(set(expected) | set(actual)):
+            if expected.get(name) != actual.get(name):
+                raise DamagedCheckpointError(
+                    f"array {name!r} does not match the checksum written with it (saved "
+                    f"{expected.get(name)}, read {actual.get(name)}): its files were changed or "
+                    "corrupted on disk"
+                )
+    bad = first_non_finite(plain)
+    if bad is not None:
+        raise DamagedCheckpointError(f"array {bad!r} holds NaN or infinite values")
+
+
+def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
+    """Reads checkpoint `step` into host arrays and checks it.
+
+    Raises:
+      Exception: anything reading it raised; `DamagedCheckpointError` when it reads but is
+        not what was saved.
+    """
+    bundle = manager.restore(
+        step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
+    )[BUNDLE_ITEM]
+    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
+        raise DamagedCheckpointError(f"its {BUNDLE_ITEM!r} item is not a loopax checkpoint description")
+    if bundle.get("version") != VERSION or bundle.get("global_step") != step:
+        raise DamagedCheckpointError(
+            f"version {bundle.get('version')} / step {bundle.get('global_step')} in its "
+            f"description, expected version {VERSION} / step {step}"
+        )
+    metadata = manager.item_metadata(step)[STATE_ITEM]
+    tree = getattr(metadata, "tree", metadata)
+    if not isinstance(tree, dict) or not tree:
+        raise DamagedCheckpointError("its state item has no arrays")
+    target = jax.tree.map(lambda array: np.zeros(array.shape, array.dtype), tree)
+    state = manager.restore(
+        step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+    )[STATE_ITEM]
+    state = jax.tree.map(np.asarray, state)
+    verify(state, bundle)
+    return state, bundle
+
+
+def set_aside(directory: Path, step: int) -> Path | None:
+    """Moves checkpoint `step` to `<directory>/damaged/<step>` (process 0 only); returns
+    where it went."""
+    if jax.process_index() != 0:
+        return None
+    damaged = directory / DAMAGED_DIR
+    damaged.mkdir(exist_ok=True)
+    destination, count = damaged / str(step), 2
+    while destination.exists():
+        destination, count = damaged / f"{step}.{count}", count + 1
+    shutil.move(str(directory / str(step)), str(destination))
+    return destination
+
+
+def set_aside_entries(directory: Path) -> list[str]:
+    """The names of the checkpoints in `<directory>/damaged/`."""
+    damaged = directory / DAMAGED_DIR
+    return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []

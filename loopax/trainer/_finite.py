@@ -1,0 +1,138 @@
+"""Checks every step's loss without a per-step host sync, naming the first bad step."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ._trainer import SKIPPED_STEPS
+
+MOVING_AVERAGE = "moving_average_loss"
+
+# (loop step, that step's metrics as train_step returned them), oldest first
+Window = list[tuple[int, dict[str, jax.Array]]]
+NonFiniteHandler = Callable[[Any, list[int]], None]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a step was NaN or infinite; the message names the first such step.
+
+    Attributes:
+      step: the loop step (0-based) of the first non-finite loss, or None.
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def _as_float(value: Any) -> float:
+    return float(np.asarray(value))
+
+
+class FiniteChecker:
+    """Reads one value per in-flight window, when the loop already waits for it.
+
+    The loss's moving average is sticky: once a step's loss is NaN or infinite, every
+    later average is too (until the train metrics are reset at a run's start). So the
+    average of the newest step of a window tells whether any step of the window went bad,
+    and only then are the window's losses read to find the first. While the trainer skips
+    non-finite steps (`Trainer.skip_non_finite_steps`), the average stays finite and the
+    running count of skipped steps plays that part; the skipped steps go to the handler.
+    """
+
+    def __init__(self) -> None:
+        self.checked_through = -1  # the newest loop step known to be finite (or handled)
+        self.handler: NonFiniteHandler | None = None
+        self._indicator = MOVING_AVERAGE
+        self._skipped_seen = 0.0
+        # A failure stays raised: a hook that catches it cannot make the run go on quietly.
+        self.failure: NonFiniteLossError | None = None
+
+    def raise_failure(self) -> None:
+        """Raises the non-finite loss found earlier in this run, if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    def start_run(self, trainer: Any, start_step: int) -> None:
+        """A run starts at `start_step` with freshly reset train metrics."""
+        self._indicator = SKIPPED_STEPS if SKIPPED_STEPS in trainer.train_metric_names else MOVING_AVERAGE
+        self._skipped_seen = 0.0
+        self.checked_through = start_step - 1
+        self.failure = None
+
+    def restart(self, trainer: Any, step: int) -> None:
+        """The run continues from `step` with the trainer's (restored) state."""
+        self.checked_through = step - 1
+        state = trainer.state
+        if state is not None:
+            self._skipped_seen = _as_float(jax.device_get(state.train_metrics[0][2]))
+
+    @property
+    def indicator(self) -> str:
+        """The metric whose newest value tells whether a window needs a closer look."""
+        return self._indicator
+
+    def verify(self, loop: Any, window: Window) -> None:
+        """Checks the steps of `window` (all finished); raises or calls the handler.
+
+        Raises:
+          NonFiniteLossError: a step's loss is not finite (naming the first) and no
+            non-finite handler takes it.
+        """
+        self.raise_failure()
+        newest_step, newest = window[-1]
+        value = _as_float(newest[self._indicator])
+        if self._indicator == MOVING_AVERAGE:
+            if not math.isfinite(value):
+                self._raise_first(window, value)
+        elif value != self._skipped_seen:
+            counts = [_as_float(c) for c in jax.device_get([m[SKIPPED_STEPS] for _, m in window])]
+            previous, skipped = self._skipped_seen, []
+            for (step, _), count in zip(window, counts):
+                if count > previous:
+                    skipped.append(step)
+                previous = count
+            self._skipped_seen = value
+            self.checked_through = newest_step
+            self._handle(loop, skipped)
+            return
+        self.checked_through = newest_step
+
+    def _raise_first(self, window: Window, average: float) -> None:
+        losses = jax.device_get([metrics["loss"] for _, metrics in window])
+        for (step, _), loss in zip(window, losses):
+            loss = _as_float(loss)
+            if not math.isfinite(loss):
+                self.failure = NonFiniteLossError(
+                    f"the loss is {loss} at step {step} (global step {step + 1}), the first "
+                    "non-finite step; stopped before any checkpoint could save it. Lower the "
+                    "learning rate, clip gradients (loopax.optimizers.adam(..., "
+                    "clip_global_norm=1.0)), check the data, or attach hooks.nan_guard to "
+                    "skip such steps",
+                    step,
+                )
+                raise self.failure
+        step = window[-1][0]
+        self.failure = NonFiniteLossError(
+            f"the moving average of the loss is {average} at step {step} although every loss "
+            "was finite: the losses are too large for float32; scale the loss down",
+            step,
+        )
+        raise self.failure
+
+    def _handle(self, loop: Any, skipped: list[int]) -> None:
+        if self.handler is not None:
+            self.handler(loop, skipped)
+            return
+        warnings.warn(
+            f"skipped {len(skipped)} train step(s) with a non-finite loss or gradient: steps "
+            f"{skipped[:10]}{' ...' if len(skipped) > 10 else ''} (Trainer.skip_non_finite_steps "
+            "is on); attach hooks.nan_guard to roll back or stop when it persists",
+            RuntimeWarning,
+            stacklevel=4,
+        )
