@@ -12,6 +12,7 @@ fires every 1000 steps costs nothing on the other 999.
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import time
 from typing import Any, Callable, Iterable
@@ -155,10 +156,12 @@ class Exponential(Schedule):
         self.factor = self.rule.factor
 
     def start_run(self, loop: Loop) -> None:
-        self.rule.start_run(loop.start_step)
-
-    def restart(self, loop: Loop) -> None:
+        # `loop_step`, not `start_step`: they agree before a run's first step, and a hook
+        # registered during a run starts at its grid points from there, not catching up
+        # the points of the run's earlier steps.
         self.rule.start_run(loop.loop_step)
+
+    restart = start_run  # a rollback or restore continues on the grid from its step
 
     def next_step(self, loop: Loop, step: int) -> int:
         return max(step, self.rule.next_step)
@@ -218,14 +221,17 @@ class AtSteps(Schedule):
     """
 
     def __init__(self, steps: Iterable[int]):
-        steps = sorted({_check_positive_int("each of steps", step) for step in steps})
+        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
+            raise ValueError(
+                f"steps must be a list of global steps such as [100, 1000], got {steps!r} of "
+                f"type {type(steps).__name__}"
+            )
+        steps = sorted({_check_positive_int("steps", step) for step in steps})
         if not steps:
             raise ValueError("AtSteps needs at least one global step, e.g. AtSteps([100, 1000])")
         self.steps = tuple(steps)
 
     def next_step(self, loop: Loop, step: int) -> int:
-        import bisect  # noqa: PLC0415
-
         index = bisect.bisect_left(self.steps, step + 1)
         return NEVER if index == len(self.steps) else self.steps[index] - 1
 
@@ -331,7 +337,7 @@ def on_schedule(
     """
     _check_hook_args(name, fn)
     priority = _check_priority(name, priority)
-    if getattr(when, "at_epoch_end", False):
+    if when.at_epoch_end:
         hook = loop.on_epoch_end(f"{when!r}: {name}", fn, priority, when=when)
     else:
         hook = loop.on_step(f"{when!r}: {name}", fn, priority, when=when)

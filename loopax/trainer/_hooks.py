@@ -68,6 +68,8 @@ class Schedule(abc.ABC):
 
     #: True for a schedule that must be asked after every step (e.g. a clock).
     checks_every_step: bool = False
+    #: True for a schedule of epoch ends (`loop.on_epoch_end`), False for one of steps.
+    at_epoch_end: bool = False
 
     def start_run(self, loop: Loop) -> None:
         """Called before the first step of every run (after the OnStart hooks)."""
@@ -100,10 +102,11 @@ class Schedule(abc.ABC):
 
 
 class AnyOf(Schedule):
-    """Fires when any of its schedules fires; each one is asked, so each advances.
+    """Fires when any of its schedules fires; each one is asked, so each advances, and each
+    hears of every firing (`fired`: a clock part restarts its period whichever part fired).
 
     Raises:
-      TypeError: an element is not a `Schedule`.
+      TypeError: an element is not a `Schedule`, or epoch-end and step schedules are mixed.
     """
 
     def __init__(self, *schedules: Schedule):
@@ -115,7 +118,15 @@ class AnyOf(Schedule):
                     "loopax.hooks.EveryNSteps(100) | loopax.hooks.AtSteps([10])"
                 )
             flat += schedule.schedules if isinstance(schedule, AnyOf) else [schedule]
+        kinds = {bool(getattr(schedule, "at_epoch_end", False)) for schedule in flat}
+        if len(kinds) > 1:
+            raise TypeError(
+                f"cannot combine epoch-end and step schedules ({' | '.join(map(repr, flat))}): "
+                "epoch schedules run at epoch ends (loop.on_epoch_end), step schedules after "
+                "steps; register two hooks instead"
+            )
         self.schedules = tuple(flat)
+        self.at_epoch_end = kinds.pop() if kinds else False
         self.checks_every_step = any(s.checks_every_step for s in flat)
 
     def start_run(self, loop: Loop) -> None:

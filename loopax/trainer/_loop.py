@@ -40,9 +40,10 @@ class Loop:
     Hooks run in ascending priority (ties in registration order) and receive the loop:
     `fn(loop, dataset)` (OnStart), `fn(loop, metrics)` (OnStep, OnEpochEnd, OnEnd; the
     step's metrics as `train_step` returned them, on the device), `fn(loop, evaluation)`
-    (OnEvaluation), `fn(loop, step)` (OnRestore), `fn(loop, error)` (OnError). While they
-    run, `loop_step` is the 0-based index of the step just run; `trainer.global_step` is
-    then `loop_step + 1`.
+    (OnEvaluation), `fn(loop, step)` (OnRestore), `fn(loop, error)` (OnError). While OnStep
+    hooks run, `loop_step` is the 0-based index of the step just run and
+    `trainer.global_step` is `loop_step + 1`; in OnEpochEnd and OnEnd, `loop_step` is one
+    past the last step run (`== trainer.global_step`).
 
     What hooks may use (and the ready hooks use nothing else): the attributes below,
     `host_metrics()` (the step's metrics read once however many hooks ask),
@@ -115,6 +116,7 @@ class Loop:
         self._pending_states: dict[str, Any] = {}
         self._after_hooks: list[Callable[[], None]] = []
         self._running = False
+        self._scheduling = False  # True from a run's first step: its schedules have started
         self._stop_requested = False
         self._rewound = False
         self._metrics_step = -1
@@ -158,7 +160,7 @@ class Loop:
                     f"hook {name!r}: when= must be a loopax.hooks schedule (e.g. "
                     f"EveryNSteps(10)), got {type(when).__name__}"
                 )
-            at_epoch_end = getattr(when, "at_epoch_end", False)
+            at_epoch_end = when.at_epoch_end
             if at_epoch_end != (phase == "OnEpochEnd"):
                 where = "on_epoch_end" if at_epoch_end else "on_step"
                 raise TypeError(f"hook {name!r}: {when!r} is a schedule for loop.{where}")
@@ -167,12 +169,16 @@ class Loop:
                 "OnStep", "OnEpochEnd", "OnEnd"
             )
         hook = Hook(phase, name, fn, int(priority), next(self._order), when, bool(check_finite))
-        bisect.insort(self._hooks[phase], hook, key=lambda h: (h.priority, h.order))
+        # A new list, not an insertion: a phase that is running (a hook registering another)
+        # goes on over the list it started with; the new hook runs from the next time.
+        hooks = list(self._hooks[phase])
+        bisect.insort(hooks, hook, key=lambda h: (h.priority, h.order))
+        self._hooks[phase] = hooks
         if phase == "OnStep":
-            self._every_step = [h for h in self._hooks["OnStep"] if h.every_step]
+            self._every_step = [h for h in hooks if h.every_step]
         if when is not None:
             self.add_state(name, hook)
-            if self._running:
+            if self._scheduling:  # registered during a run's steps: schedule it from here
                 when.start_run(self)
                 self._reschedule()
         return hook
@@ -220,7 +226,8 @@ class Loop:
     ) -> Hook:
         """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`
         (or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`), after the OnStep
-        hooks of the epoch's last step; `loop.epoch` is the epoch that ended."""
+        hooks of the epoch's last step; `loop.epoch` is the epoch that ended, and, as in
+        OnEnd, `loop_step` is one past its last step (`== trainer.global_step`)."""
         return self._register("OnEpochEnd", name, fn, priority, when, check_finite)
 
     def on_end(
@@ -610,7 +617,7 @@ class Loop:
                     _logger.exception("OnError hook %r failed", hook.name)
             raise
         finally:
-            self._running = False
+            self._running = self._scheduling = False
         if self._interrupts.received is not None:
             self._exit_interrupted(self._interrupts.received)
 
@@ -642,12 +649,14 @@ class Loop:
         self._metrics_step = self.loop_step - 1
         self._run_phase("OnStart", dataset)
         # After the OnStart hooks, which may restore schedule states and the step.
+        self._rewound = False
         self.loop_step = self.start_step = self.trainer.global_step
         self._metrics_step = self.loop_step - 1
         self._finite.start_run(self.trainer, self.loop_step)
         for hook in self._scheduled():
             hook.schedule.start_run(self)
         self._reschedule()
+        self._scheduling = True
 
     def _dataset_error(self, dataset: Dataset, err: Exception) -> RuntimeError:
         return RuntimeError(
