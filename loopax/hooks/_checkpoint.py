@@ -37,6 +37,7 @@ from ._checkpoint_format import FORMAT as _FORMAT
 from ._checkpoint_format import STATE_ITEM as _STATE_ITEM
 from ._checkpoint_format import VERSION as _VERSION
 from ._checkpoint_format import check_directory as _check_directory
+from ._checkpoint_format import incomplete_saves as _incomplete_saves
 from ._checkpoint_io import checksums, read, set_aside, set_aside_entries
 from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 from ._metric_info import split_eval_key
@@ -47,6 +48,7 @@ _logger = logging.getLogger(__name__)
 # The newest Checkpointer of each directory in this process: a new one waits for the saves
 # the old one has in flight (Orbax's start-up clean-up would delete them).
 _ACTIVE: dict[Path, weakref.ref] = {}
+CHECKPOINTERS = "checkpointers"  # `loop.shared_data` key: the Checkpointers attached to it
 
 
 class NoGoodCheckpointError(RuntimeError):
@@ -87,6 +89,7 @@ class Checkpointer:
         self.best_mode = best_mode
         self.directory = Path(directory).expanduser().absolute()
         _check_directory(self.directory)
+        leftovers = _incomplete_saves(self.directory)
         self.restored_step: int | None = None
         self._pending_datasets: dict | None = None  # dataset positions for the next OnStart
         self._pending_save: tuple | None = None
@@ -100,7 +103,16 @@ class Checkpointer:
         previous = previous() if previous is not None else None
         if previous is not None:
             previous.wait_quietly()
+            leftovers = _incomplete_saves(self.directory)  # its saves are done now
         _ACTIVE[self.directory] = weakref.ref(self)
+        if leftovers and jax.process_index() == 0:
+            warnings.warn(
+                f"{str(self.directory)!r} holds {len(leftovers)} incomplete save(s) {leftovers}: "
+                "cut off before their commit (a crash or a second interrupt), they never "
+                "became checkpoints and are removed; the newest complete checkpoint is used",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
         preserve = [policies.LatestN(self.keep)]
         if best_metric is not None:
@@ -129,6 +141,8 @@ class Checkpointer:
             },
         )
         wait_at_exit(self.wait_quietly)
+        # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
+        loop.shared_data.setdefault(CHECKPOINTERS, []).append(self)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -237,16 +251,17 @@ class Checkpointer:
           NonFiniteLossError: a loss so far is NaN or infinite.
         """
         del metrics
-        state = self.trainer.state_dict()
-        if state is None:
+        if self.trainer.state is None:
             raise RuntimeError(
                 "nothing to checkpoint before the trainer's first step: the variables are "
                 "created from the first batch"
             )
+        # First: the check may hand skipped steps to a nan_guard, which may roll back.
+        self.loop.check_finite()
         step = self.trainer.global_step
         if step == self._last_saved_step or step in self._manager.all_steps():
             return None
-        self.loop.check_finite()
+        state = self.trainer.state_dict()
         self._pending_save = (step, state, self._dataset_states())
         self._last_saved_step = step
         self.loop.call_after_hooks(self._commit)

@@ -18,6 +18,13 @@ DAMAGED_DIR = "damaged"
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
+def incomplete_saves(directory: Path) -> list[str]:
+    """The leftovers of saves cut off before their commit (a crash, a second Ctrl-C)."""
+    if not directory.is_dir():
+        return []
+    return sorted(entry for entry in os.listdir(directory) if TMP_MARK in entry)
+
+
 def _step_of(entry: str) -> int | None:
     return int(entry) if entry.isdigit() else None
 

@@ -2,19 +2,24 @@
 
     python checkpoint_worker.py DIR TARGET_STEP OUT.npz [--every N] [--kill-after-save STEP]
                                 [--kill-in-commit STEP] [--exit-after-save STEP]
+                                [--signal-at STEP --signal INT|TERM] [--second-signal-in-commit]
+                                [--no-checkpoint]
 
 `--kill-after-save S` sends SIGKILL to itself right after the save of global step S was issued
 (its background write still in flight: saves are handed to the writer thread once the hooks
 of their step have run, so the kill comes in the next step's first hook); `--kill-in-commit S`
 does it inside Orbax's commit of step S, after the data was written but before the checkpoint
 became valid; `--exit-after-save S` leaves the interpreter normally right after issuing the
-save of step S. Without those it
+save of step S. `--signal-at K` sends the process SIGINT (or `--signal TERM`) from a hook at loop
+step K, as a user pressing Ctrl-C or a preemption would; with `--second-signal-in-commit` the
+same signal comes again inside Orbax's commit of the save that follows. Without those it
 runs to TARGET_STEP and writes the final parameters to OUT.npz (no pickle).
 """
 
 import argparse
 import os
 import signal
+import threading
 
 import flax.linen as nn
 import jax
@@ -43,17 +48,24 @@ def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_inside_commit(step):
+def inside_commit(action, step=None):
+    """Runs `action()` inside Orbax's commit of checkpoint `step` (of any, with None)."""
     from orbax.checkpoint._src.path import atomicity  # noqa: PLC0415
 
     original = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self, *args, **kwargs):
-        if os.path.basename(str(self.get_final())) == str(step):
-            kill_self()
+        if step is None or os.path.basename(str(self.get_final())) == str(step):
+            action()
         return await original(self, *args, **kwargs)
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+
+def signal_then_hang(signum):
+    """The signal comes again while the commit hangs (a slow disk): the commit never ends."""
+    os.kill(os.getpid(), signum)
+    threading.Event().wait()
 
 
 def main():
@@ -65,17 +77,32 @@ def main():
     parser.add_argument("--kill-after-save", type=int)
     parser.add_argument("--kill-in-commit", type=int)
     parser.add_argument("--exit-after-save", type=int)
+    parser.add_argument("--signal-at", type=int)
+    parser.add_argument("--signal", choices=["INT", "TERM"], default="INT")
+    parser.add_argument("--second-signal-in-commit", action="store_true")
+    parser.add_argument("--no-checkpoint", action="store_true")
     args = parser.parse_args()
 
     if args.kill_in_commit is not None:
-        kill_inside_commit(args.kill_in_commit)
+        inside_commit(kill_self, args.kill_in_commit)
     trainer = loopax.Trainer(
         model_fn, loopax.losses.binary_crossentropy_logits, optax.adam(0.01),
         devices=jax.devices()[:1],
     )
     loop = loopax.Loop(trainer)
-    checkpointer = hooks.checkpoint(loop, args.directory, every_n_steps=args.every, keep=2)
-    print(f"resumed from step {checkpointer.restored_step}", flush=True)
+    if not args.no_checkpoint:
+        checkpointer = hooks.checkpoint(loop, args.directory, every_n_steps=args.every, keep=2)
+        print(f"resumed from step {checkpointer.restored_step}", flush=True)
+    if args.signal_at is not None:
+        signum = getattr(signal, f"SIG{args.signal}")
+
+        def send_signal(loop, metrics):
+            if loop.loop_step == args.signal_at:
+                os.kill(os.getpid(), signum)
+                if args.second_signal_in_commit:
+                    # The save that follows is the end-of-run one, of the next global step.
+                    inside_commit(lambda: signal_then_hang(signum), args.signal_at + 1)
+        loop.on_step("signal", send_signal)
     if args.kill_after_save is not None:
         def kill_after_save(loop, metrics):
             if trainer.global_step == args.kill_after_save + 1:

@@ -1,8 +1,11 @@
 """The checkpoint hook with real Orbax checkpoints, real Loops and real killed subprocesses."""
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import flax.linen as nn
@@ -377,3 +380,157 @@ def test_restore_onto_one_and_four_devices(tmp_path):
         assert_trees_equal(saved, trainers[loading].state)
         loop.run_steps(make_dataset(), 1)  # trains on with the restored arrays
         assert trainers[loading].global_step == saved.step + 1
+
+
+# -- verified restores, failed saves, a second hook on the same directory --------------------
+
+
+def flip_bytes(path, count=16):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for index in range(middle, min(middle + count, len(data))):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def data_files(directory):
+    return [path for path in directory.rglob("*") if path.is_file() and path.parent.name == "d"]
+
+
+def test_flipped_bytes_in_a_data_file_make_a_checkpoint_damaged(trainer, tmp_path):
+    train(trainer, tmp_path, 4, every_n_steps=2)
+    for path in data_files(tmp_path / "4" / "state"):
+        flip_bytes(path)
+    loop = loopax.Loop(trainer)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint '.*4' is damaged .*falling back"):
+        checkpointer = hooks.checkpoint(loop, tmp_path)
+    assert checkpointer.restored_step == 2 and (tmp_path / "damaged" / "4").is_dir()
+
+
+def test_a_checkpoint_holding_nan_is_damaged_and_never_restored(trainer, tmp_path):
+    import orbax.checkpoint as ocp
+
+    from loopax.hooks._checkpoint_io import checksums
+
+    _, _, checkpointer = train(trainer, tmp_path, 2, every_n_steps=2)
+    # A checkpoint as a loopax without the finite check could have written it: valid files,
+    # valid checksums, NaN parameters.
+    state = trainer.state_dict()
+    state["step"] = np.asarray(3, state["step"].dtype)
+    state["params"]["Dense_0"]["kernel"][:] = np.nan
+    bundle = {"format": "loopax.checkpoint", "version": 1, "global_step": 3,
+              "checksums": checksums(state), "loop": {}, "datasets": {}}
+    checkpointer._manager.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)), force=True)
+    checkpointer._manager.wait_until_finished()
+    with pytest.warns(RuntimeWarning, match=r"'.*3' is damaged .*'params/Dense_0/kernel' holds "
+                                            r"NaN or infinite values"):
+        restored = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
+    assert restored.restored_step == 2
+    assert np.isfinite(jax.device_get(trainer.params)["Dense_0"]["kernel"]).all()
+
+
+def test_when_no_checkpoint_is_good_it_refuses_to_start_over(trainer, tmp_path):
+    train(trainer, tmp_path, 4, every_n_steps=2)
+    for step in ("2", "4"):
+        for path in data_files(tmp_path / step / "state"):
+            flip_bytes(path)
+    for attempt in range(2):  # the damaged ones are set aside: the next attach refuses too
+        with pytest.warns(RuntimeWarning) if attempt == 0 else contextlib.nullcontext():
+            with pytest.raises(hooks.NoGoodCheckpointError,
+                               match=r"no good checkpoint in .*restore='never' or use a new "
+                                     r"directory"):
+                hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
+    fresh = make_trainer()
+    loop = loopax.Loop(fresh)
+    checkpointer = hooks.checkpoint(loop, tmp_path, restore="never")
+    assert fresh.global_step == 0 and checkpointer.restored_step is None
+    loop.run_steps(make_dataset(), 2)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2]
+
+
+def test_a_failed_background_save_raises_at_a_next_step_naming_the_directory(trainer, tmp_path):
+    directory = tmp_path / "ckpt"
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, directory, every_n_steps=2)
+    loop.run_steps(make_dataset(), 1)
+    shutil.rmtree(directory)
+    directory.write_text("not a directory any more")  # every write under it now fails
+    with pytest.raises(hooks.BackgroundSaveError, match=r"saving a checkpoint to '.*ckpt' "
+                                                        r"failed: \w+Error") as error:
+        loop.run_steps(make_dataset(), 50)
+    assert isinstance(error.value.__cause__, OSError)
+    # Raised while training went on (a step after the failure), not 50 steps later at the end.
+    assert trainer.global_step < 51
+
+
+def test_a_new_hook_on_the_same_directory_waits_for_the_saves_in_flight(trainer, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    release, committing, entered = threading.Event(), threading.Event(), threading.Event()
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def slow_finalize(self, *args, **kwargs):
+        committing.set()
+        release.wait()  # a slow disk: the commit of the first save hangs until released
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", slow_finalize)
+    loop = loopax.Loop(trainer)
+    first = hooks.checkpoint(loop, tmp_path, every_n_steps=2)
+    first.wait = lambda: None  # the run ends without waiting for its save (as if it raised)
+    loop.run_steps(make_dataset(), 2)
+    del first.wait
+    committing.wait()
+    waited = first.wait_quietly
+
+    def wait_quietly():
+        entered.set()
+        waited()
+
+    monkeypatch.setattr(first, "wait_quietly", wait_quietly)
+    attached = []
+    second = threading.Thread(target=lambda: attached.append(hooks.checkpoint(
+        loopax.Loop(make_trainer()), tmp_path)))
+    second.start()
+    # The second hook waits for the first one's save (the timeout only keeps a regression
+    # from hanging the suite)...
+    assert entered.wait(timeout=60), "the new hook did not wait for the save in flight"
+    assert not (tmp_path / "2").exists()
+    release.set()  # ...which then commits, instead of being cleaned away as a leftover
+    second.join()
+    assert attached[0].restored_step == 2 and attached[0].all_steps() == [2]
+
+
+def test_best_step_and_restore_best(trainer, tmp_path):
+    losses = {1: 5.0, 3: 1.0, 5: 4.0, 7: 3.0}  # by global step
+
+    def fake_evaluation(loop, metrics):
+        step = trainer.global_step
+        if step in losses:
+            loop.history.record(step, {"eval/test/mean_loss": losses[step]})
+
+    loop = loopax.Loop(trainer)
+    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=2,
+                                    best_metric="eval/test/mean_loss")
+    saved = {}
+    loop.on_step("remember", lambda lp, m: saved.update({trainer.global_step: trainer.state_dict()}),
+                 loopax.Priority.UI)
+    loop.run_steps(make_dataset(), 8)
+    assert checkpointer.best_step() == 3
+    assert checkpointer.all_steps() == [3, 7, 8]
+    assert checkpointer.restore_best() == 3
+    assert trainer.global_step == 3 and loop.loop_step == 3
+    assert_trees_equal(saved[3], trainer.state_dict())
+    # A new process finds the best among the checkpoints on disk too.
+    again = hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path,
+                             best_metric="eval/test/mean_loss")
+    assert again.best_step() == 3
+
+
+def test_best_step_needs_a_best_metric(trainer, tmp_path):
+    checkpointer = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
+    with pytest.raises(ValueError, match="best_step\\(\\) needs the hook attached with best_metric"):
+        checkpointer.best_step()
