@@ -105,9 +105,10 @@ def binary_crossentropy_logits(
     dtype = compute_dtype(prediction)
     target = target.astype(dtype)
     logits = prediction.astype(dtype)
-    per_element = (
-        jnp.maximum(logits, 0) - logits * target + jnp.log1p(jnp.exp(-jnp.abs(logits)))
-    )
+    # softplus(x) = log(1 + e^x) = max(x, 0) + log1p(exp(-|x|)), computed stably by
+    # logaddexp, and with the right gradient sigmoid(x) - y everywhere: the max/abs form
+    # has the kinks of max and abs at 0, where JAX's gradient came out as -y.
+    per_element = jax.nn.softplus(logits) - logits * target
     allowed_shapes = {target.shape: "labels' shape"}
     return reduce_loss(
         loss_name, per_element, extras, allowed_shapes, result_dtype(prediction)

@@ -284,6 +284,16 @@ def test_binary_logits_gradient_is_finite_for_extreme_logits():
     assert np.all(np.isfinite(grad))
 
 
+@pytest.mark.parametrize("target", [0.0, 0.3, 1.0])
+def test_binary_logits_gradient_is_sigmoid_minus_label_everywhere(target):
+    # At logit 0 too, where a max/abs formulation has kinks (its JAX gradient was -y).
+    logits = np.array([-30.0, -2.0, -1e-3, 0.0, 1e-3, 2.0, 30.0], np.float32)
+    y = np.full_like(logits, target)
+    grad = jax.grad(lambda x: losses.binary_crossentropy_logits([y], [x]))(logits)
+    expected = (1.0 / (1.0 + np.exp(-logits.astype(np.float64))) - target) / len(logits)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_categorical_logits_extreme_values_are_finite_and_correct():
     logits = np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, 1e4], [1e4, 1e4, -1e4]], np.float32)
     one_hot = np.eye(3, dtype=np.float32)[[1, 2, 0]]
