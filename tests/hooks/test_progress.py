@@ -49,11 +49,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_in_terminal(script, timeout=120):
+def run_in_terminal(script, timeout=120, columns=200):
     """Runs `script` with stdout and stderr on a pseudo-terminal; returns what it wrote."""
     controller, terminal = pty.openpty()
-    # A 40x200 terminal: a new pseudo-terminal reports 0 columns, and tqdm fits bars to it.
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    # A 40-row terminal: a new pseudo-terminal reports 0 columns, and tqdm fits bars to it.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL,
                                stdout=terminal, stderr=terminal, close_fds=True)
     os.close(terminal)
@@ -79,14 +79,18 @@ def run_in_terminal(script, timeout=120):
     return process.returncode, output.decode("utf-8", "replace")
 
 
-@pytest.fixture(scope="module")
-def terminal_output():
-    returncode, output = run_in_terminal(SCRIPT.format(helpers=HELPERS))
+def terminal_lines(script, columns=200):
+    returncode, output = run_in_terminal(script, columns=columns)
     assert returncode == 0, output[-3000:]
     assert "DONE" in output
     # tqdm redraws its line with carriage returns (and ANSI codes in a terminal).
     lines = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", output).replace("\r", "\n").split("\n")
-    return [line.strip() for line in lines if "step " in line]
+    return [line.rstrip() for line in lines if "step " in line]
+
+
+@pytest.fixture(scope="module")
+def terminal_output():
+    return [line.strip() for line in terminal_lines(SCRIPT.format(helpers=HELPERS))]
 
 
 def line_for(lines, text):
@@ -141,3 +145,34 @@ def test_rejects_bad_arguments():
         hooks.progress_bar(loop, refresh_seconds=-1)
     with pytest.raises(TypeError, match="clock"):
         hooks.progress_bar(loop, clock=3)
+
+
+NARROW_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {helpers!r})
+    from observability_helpers import make_data, new_trainer
+    import loopax
+    from loopax import hooks
+
+    now = [0.0]
+    loop = loopax.Loop(new_trainer())
+    hooks.progress_bar(loop, refresh_seconds=0, clock=lambda: now[0], show_metrics={metrics})
+    loop.on_step("fake clock", lambda loop, metrics: now.__setitem__(0, now[0] + 0.5))
+    loop.run_steps(make_data(loop_forever=True), 20)
+    print("DONE", flush=True)
+""")
+
+
+def test_at_80_columns_the_bar_goes_before_any_metric_value_is_cut():
+    lines = terminal_lines(NARROW_SCRIPT.format(helpers=HELPERS, metrics=True), columns=80)
+    status = [line for line in lines if re.search(r"step \d+ of 20 .*batch=", line)]
+    assert len(status) >= 20
+    for line in status:
+        assert len(line) <= 80, line
+        # Every metric is there with its whole value, and no bar took their room.
+        assert re.search(r"batch=\S+ ~loss=\S+ ~acc=\d+\.\d\d%$", line), line
+        assert "|" not in line
+    # With the metrics hidden there is room again, and the bar comes back.
+    lines = terminal_lines(NARROW_SCRIPT.format(helpers=HELPERS, metrics=False), columns=80)
+    last = [line for line in lines if "step 20 of 20" in line][-1]
+    assert last.startswith("100%|") and len(last) <= 80, last
