@@ -2,39 +2,34 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
-import itertools
 import logging
 import sys
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-import jax
 import numpy as np
 
-from ._datasets import Dataset, dataset_name
+from ._datasets import Dataset
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
-from ._history import Evaluation, History, train_key
-from ._hooks import NEVER, Hook, HookError, Priority, Schedule
+from ._history import History
+from ._hook_registry import PHASES
+from ._hooks import NEVER
 from ._inflight import InFlight, limit_for
+from ._loop_metrics import MetricsAccess
 from ._signals import Interrupts, signal_name
 from ._trainer import Trainer
 
 Metrics = dict[str, Any]
 _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
-PHASES = (
-    "OnStart", "OnStep", "OnEpochEnd", "OnEnd", "OnEvaluation", "OnRestore", "OnFlush", "OnError"
-)
-LogFn = Callable[[int, dict[str, float]], Any]
 _logger = logging.getLogger("loopax")
 
-__all__ = ["Loop", "NonFiniteLossError"]
+__all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
 
-class Loop:
+class Loop(MetricsAccess):
     """Runs a `Trainer` over a dataset for some steps or epochs, firing hooks.
 
     Hooks run in ascending priority (ties in registration order) and receive the loop:
@@ -78,7 +73,7 @@ class Loop:
       checkpointed_step: the newest global step a checkpoint hook saved, or None.
 
     Example:
-      >>> import numpy as np, optax, flax.linen as nn, loopax
+      >>> import jax, numpy as np, optax, flax.linen as nn, loopax
       >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
       ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
       >>> data = loopax.ArrayDataset(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32),
@@ -94,6 +89,7 @@ class Loop:
     def __init__(self, trainer: Trainer):
         if not isinstance(trainer, Trainer):
             raise TypeError(f"Loop needs a loopax.Trainer, got {type(trainer).__name__}")
+        super().__init__()
         self.trainer = trainer
         self.loop_step = trainer.global_step
         self.start_step = trainer.global_step
@@ -108,208 +104,16 @@ class Loop:
         )
         self.stop_reason: str | None = None
         self.checkpointed_step: int | None = None
-        self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
-        self._order = itertools.count()
-        self._every_step: list[Hook] = []  # OnStep hooks visited after every step
-        self._wake_step = NEVER  # the next step at which a step-scheduled hook may fire
-        self._states: dict[str, Any] = {}
-        self._pending_states: dict[str, Any] = {}
-        self._after_hooks: list[Callable[[], None]] = []
         self._running = False
-        self._scheduling = False  # True from a run's first step: its schedules have started
         self._stop_requested = False
         self._rewound = False
         self._metrics_step = -1
-        self._host_metrics: dict[str, float] = {}
-        self._host_metrics_step = -1
-        self._evaluations: dict[str, Evaluation] = {}
-        self._evaluations_step = -1
         self._epoch_batches = 0
-        # Train metrics asked for by `log_train_metrics`, read once their step finished:
-        # (loop step, its metrics, extra device values, [(callback, its extra keys)]).
-        self._pending_logs: list[tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]] = []
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
         self._finite = FiniteChecker()
         self._in_flight = InFlight(limit_for(trainer.num_devices))
         self._interrupts = Interrupts(self._on_signal)
-
-    # -- hook registration ----------------------------------------------------------------
-
-    def _register(
-        self,
-        phase: str,
-        name: str,
-        fn: Callable,
-        priority: int,
-        when: Schedule | None = None,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a hook needs a non-empty name, got {name!r}")
-        if not callable(fn):
-            raise TypeError(f"hook {name!r}: fn must be callable, got {type(fn).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise TypeError(
-                f"hook {name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
-                f"got {priority!r}"
-            )
-        if when is not None:
-            if not isinstance(when, Schedule):
-                raise TypeError(
-                    f"hook {name!r}: when= must be a loopax.hooks schedule (e.g. "
-                    f"EveryNSteps(10)), got {type(when).__name__}"
-                )
-            at_epoch_end = when.at_epoch_end
-            if at_epoch_end != (phase == "OnEpochEnd"):
-                where = "on_epoch_end" if at_epoch_end else "on_step"
-                raise TypeError(f"hook {name!r}: {when!r} is a schedule for loop.{where}")
-        if check_finite is None:
-            check_finite = int(priority) >= Priority.CHECKPOINT and phase in (
-                "OnStep", "OnEpochEnd", "OnEnd"
-            )
-        hook = Hook(phase, name, fn, int(priority), next(self._order), when, bool(check_finite))
-        # A new list, not an insertion: a phase that is running (a hook registering another)
-        # goes on over the list it started with; the new hook runs from the next time.
-        hooks = list(self._hooks[phase])
-        bisect.insort(hooks, hook, key=lambda h: (h.priority, h.order))
-        self._hooks[phase] = hooks
-        if phase == "OnStep":
-            self._every_step = [h for h in hooks if h.every_step]
-        if when is not None:
-            self.add_state(name, hook)
-            if self._scheduling:  # registered during a run's steps: schedule it from here
-                when.start_run(self)
-                self._reschedule()
-        return hook
-
-    def on_start(self, name: str, fn: Callable[[Loop, Dataset], Any], priority: int = 0) -> Hook:
-        """Registers `fn(loop, dataset)` to run at the start of every run."""
-        return self._register("OnStart", name, fn, priority)
-
-    def on_step(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        when: Schedule | None = None,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run after every train step, or at the steps of
-        the schedule `when` (e.g. `hooks.EveryNSteps(100)`).
-
-        Args:
-          name: the hook's name, in messages and `hooks()`.
-          fn: `fn(loop, metrics)`.
-          priority: lower runs first (see `Priority`).
-          when: a step `Schedule`; the loop calls `fn` only when it fires, and asks it
-            only at the steps it may fire. Its state is checkpointed under `name`.
-          check_finite: check that every loss so far is finite before calling `fn` (a
-            wait for the device). Default: True for priority >= `Priority.CHECKPOINT`.
-            Hooks that only read device values when they act can pass False and call
-            `loop.check_finite()` themselves.
-
-        Returns:
-          The registered `Hook`.
-        """
-        return self._register("OnStep", name, fn, priority, when, check_finite)
-
-    def on_epoch_end(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        when: Schedule | None = None,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`
-        (or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`), after the OnStep
-        hooks of the epoch's last step; `loop.epoch` is the epoch that ended, and, as in
-        OnEnd, `loop_step` is one past its last step (`== trainer.global_step`)."""
-        return self._register("OnEpochEnd", name, fn, priority, when, check_finite)
-
-    def on_end(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run at the end of a run (the last metrics)."""
-        return self._register("OnEnd", name, fn, priority, None, check_finite)
-
-    def on_evaluation(
-        self, name: str, fn: Callable[[Loop, Evaluation], Any], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, evaluation)` to run for every `Evaluation` that
-        `loop.evaluate` publishes (one per dataset and global step)."""
-        return self._register("OnEvaluation", name, fn, priority)
-
-    def on_restore(self, name: str, fn: Callable[[Loop, int], Any], priority: int = 0) -> Hook:
-        """Registers `fn(loop, step)` to run whenever the training continues from an
-        earlier global `step` (`resume_from`: a checkpoint restore or a rollback); writers
-        drop what they wrote after `step` there."""
-        return self._register("OnRestore", name, fn, priority)
-
-    def on_flush(
-        self, name: str, fn: Callable[[Loop, None], Callable[[], None] | None], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, None)` to run when `loop.flush()` is called (before every
-        checkpoint commit): it starts writing out what its output holds and may return a
-        function that waits until that is on disk."""
-        return self._register("OnFlush", name, fn, priority)
-
-    def on_error(
-        self, name: str, fn: Callable[[Loop, BaseException], Any], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, error)` to run when a run raises (its own errors are logged,
-        and the run's error propagates), e.g. to wait for saves in flight."""
-        return self._register("OnError", name, fn, priority)
-
-    def hooks(self, phase: str) -> list[tuple[int, str]]:
-        """The `(priority, name)` of the hooks of `phase` (one of `PHASES`) in run order."""
-        if phase not in self._hooks:
-            raise ValueError(f"unknown phase {phase!r}; the phases are {list(PHASES)}")
-        return [(h.priority, h.name) for h in self._hooks[phase]]
-
-    # -- state that checkpoints carry -----------------------------------------------------
-
-    def add_state(self, name: str, obj: Any) -> str:
-        """Registers `obj` (with `get_state() -> dict` and `set_state(dict)`) so that
-        checkpoints save and restore it with the loop; returns the name it is kept under
-        (`name`, or `name#2`, ... when taken). A state saved under that name and not
-        applied yet is applied now."""
-        if not (callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))):
-            raise TypeError(f"state {name!r} needs get_state() and set_state(state) methods")
-        unique, count = name, 2
-        while unique in self._states:
-            unique, count = f"{name}#{count}", count + 1
-        self._states[unique] = obj
-        if unique in self._pending_states:
-            obj.set_state(self._pending_states.pop(unique))
-        return unique
-
-    def get_state(self) -> dict[str, Any]:
-        """The loop's resumable state (JSON-serializable): the history and every state
-        registered with `add_state` (trigger schedules, early stopping, ...)."""
-        return {
-            "history": self.history.get_state(),
-            "hooks": {name: obj.get_state() for name, obj in self._states.items()},
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restores a `get_state()` result; states of hooks not registered yet wait for
-        their registration."""
-        if "history" in state:
-            self.history.set_state(state["history"])
-        for name, hook_state in state.get("hooks", {}).items():
-            if name in self._states:
-                self._states[name].set_state(hook_state)
-            else:
-                self._pending_states[name] = hook_state
 
     # -- what hooks ask of the loop -------------------------------------------------------
 
@@ -350,121 +154,6 @@ class Loop:
         if self._finite.checked_through < self._metrics_step or self._finite.failure:
             self._settle()
 
-    def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats, read from the device at most once
-        per step however many hooks ask (it waits for that step)."""
-        if self._host_metrics_step != self._metrics_step:
-            values = jax.device_get(self.metrics)
-            self._host_metrics = {key: float(np.asarray(value)) for key, value in values.items()}
-            self._host_metrics_step = self._metrics_step
-        return dict(self._host_metrics)
-
-    def record_train_metrics(self) -> dict[str, float]:
-        """Reads the latest step's metrics (`host_metrics`), records them in `history` at
-        their global step, and returns them keyed `"train/<metric>"`. Writers call it on the
-        steps they log."""
-        keyed = {train_key(name): value for name, value in self.host_metrics().items()}
-        if keyed:
-            self.history.record(self._metrics_step + 1, keyed)
-        return keyed
-
-    def log_train_metrics(self, fn: LogFn, extra: dict[str, Any] | None = None) -> None:
-        """Logs the latest step's train metrics without waiting for the device.
-
-        Once the step has finished (when the loop next waits for it anyway: at most one
-        in-flight window later, or at the latest at `check_finite`, `flush` or the end of
-        the run) its metrics are read (once, however many writers asked), recorded in
-        `history` at their global step, and `fn(global_step, values)` is called with
-        `values` keyed `"train/<metric>"`, plus this caller's `extra` (`{key: device
-        scalar}`, e.g. the learning rate), read at the same time and recorded too.
-        """
-        step = self._metrics_step
-        if not self.metrics:
-            return
-        extra = dict(extra or {})
-        pending = self._pending_logs
-        if pending and pending[-1][0] == step:
-            pending[-1][2].update(extra)
-            pending[-1][3].append((fn, tuple(extra)))
-        else:
-            pending.append((step, self.metrics, extra, [(fn, tuple(extra))]))
-        if not self._running:
-            self._resolve_logs(NEVER)
-
-    def _resolve_logs(self, through_step: int) -> None:
-        """Reads and hands out the pending train logs of steps `<= through_step`."""
-        pending = self._pending_logs
-        ready = 0
-        while ready < len(pending) and pending[ready][0] <= through_step:
-            ready += 1
-        if not ready:
-            return
-        entries, self._pending_logs = pending[:ready], pending[ready:]
-        values = jax.device_get([(metrics, extra) for _, metrics, extra, _ in entries])
-        for (step, _, _, callbacks), (metrics, extra) in zip(entries, values):
-            keyed = {train_key(name): float(np.asarray(v)) for name, v in metrics.items()}
-            extra = {key: float(np.asarray(v)) for key, v in extra.items()}
-            self.history.record(step + 1, {**keyed, **extra})
-            for callback, extra_keys in callbacks:
-                callback(step + 1, {**keyed, **{key: extra[key] for key in extra_keys}})
-
-    def flush(self) -> Callable[[], None]:
-        """Hands the pending train logs to their writers and asks every output (OnFlush
-        hooks) to write out; returns a function that waits until all of it is on disk.
-
-        A checkpoint calls it after the hooks of the step it saves and waits before it
-        commits, so that a resumed run's logs hold every point up to the checkpoint."""
-        self._resolve_logs(NEVER)
-        waiters = []
-        for hook in self._hooks["OnFlush"]:
-            try:
-                waiter = hook.fn(self, None)
-            except Exception as err:
-                raise HookError("OnFlush", hook.name, self.loop_step, err) from err
-            if callable(waiter):
-                waiters.append(waiter)
-
-        def wait() -> None:
-            for waiter in waiters:
-                waiter()
-
-        return wait
-
-    def evaluate(self, dataset: Dataset) -> Evaluation:
-        """Evaluates `dataset` at the current global step, once: a second call at the same
-        step returns the same `Evaluation`. A new evaluation is recorded in `history`
-        (`"eval/<dataset>/<metric>"`) and published to the OnEvaluation hooks.
-
-        Raises:
-          ValueError: the dataset has no non-empty str `name`.
-        """
-        name = dataset_name(dataset)
-        step = self.trainer.global_step
-        if self._evaluations_step != step:
-            self._evaluations, self._evaluations_step = {}, step
-        evaluation = self._evaluations.get(name)
-        if evaluation is None:
-            evaluation = Evaluation(step, name, self.trainer.evaluate(dataset))
-            self._evaluations[name] = evaluation
-            self.history.record(step, evaluation.keyed())
-            self._run_phase("OnEvaluation", evaluation)
-        return evaluation
-
-    def evaluation(self, dataset: str) -> Evaluation | None:
-        """The evaluation of dataset `dataset` (a name) at the current global step, if any."""
-        if self._evaluations_step != self.trainer.global_step:
-            return None
-        return self._evaluations.get(dataset)
-
-    def call_after_hooks(self, fn: Callable[[], None]) -> None:
-        """Runs `fn()` once the hooks of the current phase have all run (this step's
-        OnStep hooks, or the OnEnd hooks); at once outside a run. A checkpoint commits
-        there, after the logs of its step are written."""
-        if self._running:
-            self._after_hooks.append(fn)
-        else:
-            fn()
-
     def resume_from(self, step: int, state: dict[str, Any] | None = None) -> None:
         """Continues from global step `step`, to which the trainer's state was just set
         (a checkpoint restore, or a rollback inside a run).
@@ -499,84 +188,6 @@ class Loop:
             return 1e-3
         ordered = sorted(self.train_step_durations)
         return ordered[len(ordered) // 2]
-
-    # -- running hooks --------------------------------------------------------------------
-
-    def _scheduled(self) -> Iterator[Hook]:
-        for phase in ("OnStep", "OnEpochEnd"):
-            for hook in self._hooks[phase]:
-                if hook.schedule is not None:
-                    yield hook
-
-    def _reschedule(self) -> None:
-        """Asks every step schedule for its next step from the current one."""
-        wake = NEVER
-        for hook in self._hooks["OnStep"]:
-            if hook.schedule is not None and not hook.schedule.checks_every_step:
-                hook.next = hook.schedule.next_step(self, self.loop_step)
-                wake = min(wake, hook.next)
-        self._wake_step = wake
-
-    def _call(self, hook: Hook, argument: Any) -> None:
-        if hook.check_finite:
-            self.check_finite()
-            if self._rewound:
-                return
-        try:
-            hook.fn(self, argument)
-        except NonFiniteLossError:
-            raise
-        except Exception as err:
-            raise HookError(hook.phase, hook.name, self.loop_step, err) from err
-
-    def _visit(self, hook: Hook, argument: Any, step: int) -> None:
-        """Calls `hook` if its schedule (if any) fires at `step`."""
-        schedule = hook.schedule
-        if schedule is None:
-            self._call(hook, argument)
-            return
-        if not schedule.checks_every_step:
-            if hook.next > step:
-                return
-            fire = schedule.should_fire(self)
-            hook.next = schedule.next_step(self, step + 1)
-        else:
-            fire = schedule.should_fire(self)
-        if fire:
-            self._call(hook, argument)
-            schedule.fired(self)
-
-    def _step_hooks(self, metrics: Metrics, step: int) -> None:
-        if step >= self._wake_step:
-            for hook in self._hooks["OnStep"]:
-                if self._rewound:
-                    return
-                self._visit(hook, metrics, step)
-            self._wake_step = min(
-                (h.next for h in self._hooks["OnStep"]
-                 if h.schedule is not None and not h.schedule.checks_every_step),
-                default=NEVER,
-            )
-        else:
-            for hook in self._every_step:
-                if self._rewound:
-                    return
-                self._visit(hook, metrics, step)
-
-    def _run_after_hooks(self) -> None:
-        # What runs after the hooks (a checkpoint commit, a final flush) sees every log.
-        self._resolve_logs(NEVER)
-        pending, self._after_hooks = self._after_hooks, []
-        for fn in pending:
-            fn()
-
-    def _run_phase(self, phase: str, argument: Any) -> None:
-        step = self.loop_step
-        for hook in self._hooks[phase]:
-            self._visit(hook, argument, step)
-        # OnEvaluation and OnRestore run inside other phases, which run `call_after_hooks`.
-        if self._after_hooks and phase in ("OnStart", "OnEpochEnd", "OnEnd"):
-            self._run_after_hooks()
 
     # -- running --------------------------------------------------------------------------
 

@@ -5,11 +5,12 @@ import importlib
 
 import pytest
 
-MODULES = ["_context", "_datasets", "_executors", "_hooks", "_inflight", "_loop", "_state",
-           "_steps", "_trainer"]
+import pkgutil
 
+import loopax.trainer
 
-WITH_EXAMPLES = {"_datasets", "_hooks", "_loop", "_trainer"}
+MODULES = sorted(info.name for info in pkgutil.iter_modules(loopax.trainer.__path__))
+WITH_EXAMPLES = {"_datasets", "_history", "_hooks", "_loop", "_trainer"}
 
 
 @pytest.mark.parametrize("module_name", MODULES)
