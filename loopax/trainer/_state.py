@@ -115,3 +115,22 @@ def first_non_finite(tree: Any) -> str | None:
         if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
             return "/".join(path)
     return None
+
+
+def state_from_tree(tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str) -> TrainState:
+    """A `TrainState` built from its plain form alone (no model needed): the optimizer
+    state's structure comes from `optimizer.init` of the tree's parameters.
+
+    Raises:
+      ValueError: `tree` does not fit (naming the first differing entry).
+    """
+    params = jax.tree.map(np.asarray, tree["params"])
+    template = TrainState(
+        step=np.zeros((), np.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        model_state=jax.tree.map(np.asarray, tree.get("model_state", {})),
+        rng=np.zeros((2,), np.uint32),
+        train_metrics=fresh_train_metrics,
+    )
+    return from_plain(template, tree, where)

@@ -83,14 +83,29 @@ class Collectives:
 
         return jax.tree.map(reduce, tree)
 
-    def merge(self, merge: Callable[[Any, Any], Any], partial: Any) -> Any:
-        """Combines per-device partial metric states with `merge`, in device order."""
+    def merge(
+        self, merge: Callable[[Any, Any], Any], partial: Any, valid: jax.Array | None = None
+    ) -> Any:
+        """Combines per-device partial metric states with `merge`, in device order.
+
+        With `valid` (this device's bool scalar), the partials of devices whose `valid` is
+        False are left out of the fold; device 0's must be valid. Metrics need not know
+        about padding: a padding example's partial is computed, then never merged.
+        """
         if self.single:
             return partial
         gathered = jax.lax.all_gather(partial, AXIS)
+        valid_devices = None if valid is None else jax.lax.all_gather(valid, AXIS)
         result = jax.tree.map(lambda leaf: leaf[0], gathered)
         for index in range(1, self.num_devices):
-            result = merge(result, jax.tree.map(lambda leaf, i=index: leaf[i], gathered))
+            merged = merge(result, jax.tree.map(lambda leaf, i=index: leaf[i], gathered))
+            if valid_devices is not None:
+                # `where`, not arithmetic: a padding example's partial may be NaN or inf.
+                keep = valid_devices[index]
+                merged = jax.tree.map(
+                    lambda new, old: jnp.where(keep, new, old).astype(new.dtype), merged, result
+                )
+            result = merged
         # The fold is identical on every device; pmax marks it replicated for shard_map.
         return jax.tree.map(lambda leaf: jax.lax.pmax(leaf, AXIS), result)
 
@@ -246,14 +261,55 @@ class StepBuilder:
 
     def eval(self, spec, rng, state: TrainState, metric_states, inputs, labels):
         """Per-device: updates the running eval metrics with this device's shard."""
+        partials = self._eval_partials(spec, rng, state, inputs, labels)
+        return self._accumulate_eval(metric_states, partials)
+
+    def eval_uneven(
+        self, spec, rng, state: TrainState, metric_states, padded_inputs, padded_labels,
+        valid, inputs=None, labels=None,
+    ):
+        """Per-device: `eval` for a batch that the devices do not divide.
+
+        The batch comes in two pieces: `inputs`/`labels`, its largest part the devices
+        divide (None when it is smaller than the device count), and its r remaining
+        examples padded to one per device, `padded_inputs`/`padded_labels`, with `valid`
+        (`[bool[1]]`) saying whether this device's example is real. A padding example's
+        loss and metric partials are computed but left out of every merge, so metrics
+        need not be mask-aware; the two pieces' partials merge into the batch's, which
+        is accumulated once, as one batch.
+        """
+        partials = self._eval_partials(spec, rng, state, padded_inputs, padded_labels, valid[0][0])
+        if inputs is not None:
+            divisible = self._eval_partials(spec, rng, state, inputs, labels)
+            merges = (add_mean_states, *(m.merge for m in self.eval_metrics))
+            partials = tuple(merge(a, b) for merge, a, b in zip(merges, divisible, partials))
+        return self._accumulate_eval(metric_states, partials)
+
+    def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> tuple:
+        """The merged partials of the mean loss and the eval metrics over all devices'
+        shards (those whose `valid` is True, given `valid`)."""
         predictions, added_loss, _ = self._apply(state, state.params, spec, rng, inputs, False)
         local_loss = self._loss(labels, predictions, added_loss)
         # The example-weighted mean of the batch losses, as `metrics.Mean` keeps it.
         weight = jnp.asarray(batch_size_of(predictions), jnp.float32)
-        loss_partial = self.collectives.merge(add_mean_states, MeanState(local_loss * weight, weight))
-        loss_state = add_mean_states(metric_states[0], loss_partial)
-        user_states = self._update_metrics(
-            self.eval_metrics, metric_states[1:], labels, predictions
+        loss_partial = self.collectives.merge(
+            add_mean_states, MeanState(local_loss * weight, weight), valid
+        )
+        return (
+            loss_partial,
+            *(
+                self.collectives.merge(metric.merge, metric.update(labels, predictions), valid)
+                for metric in self.eval_metrics
+            ),
+        )
+
+    def _accumulate_eval(self, metric_states, partials):
+        loss_state = add_mean_states(metric_states[0], partials[0])
+        user_states = tuple(
+            metric.accumulate(metric_state, partial)
+            for metric, metric_state, partial in zip(
+                self.eval_metrics, metric_states[1:], partials[1:]
+            )
         )
         values = (
             mean_of(loss_state),

@@ -15,37 +15,17 @@ from jax.sharding import PartitionSpec as P
 
 from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
 from . import _steps
+from ._batches import signature, spec_key, split_uneven_batch, validate_batch
+from ._evaluation import EvalSteps
 from ._context import ModelFn, ModelModule
-from ._datasets import Dataset, as_list
+from ._datasets import as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
-from ._inflight import InFlight
-from ._state import TrainState, from_plain, to_plain
+from ._state import TrainState, from_plain, state_from_tree, to_plain
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 _RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
 SKIPPED_STEPS = "skipped_steps"  # a train metric while `skip_non_finite_steps` is on
 _RESERVED_EVAL_NAMES = ("mean_loss",)
-
-
-def _spec_key(spec: Any) -> Hashable:
-    try:
-        hash(spec)
-    except TypeError:
-        return ("loopax:repr", repr(spec))
-    return spec
-
-
-def _signature(arrays: list[Any], what: str, spec: Any) -> tuple:
-    try:
-        return tuple((array.shape, array.dtype) for array in arrays)
-    except AttributeError:
-        for position, array in enumerate(arrays):
-            if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-                raise TypeError(
-                    f"{what}[{position}] for spec {spec!r} is a {type(array).__name__}, not an "
-                    "array; datasets must yield numpy or jax arrays (np.asarray converts lists)"
-                ) from None
-        raise
 
 
 def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
@@ -67,7 +47,7 @@ def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...])
     return metrics
 
 
-class Trainer:
+class Trainer(EvalSteps):
     """Trains a model function with an optax optimizer, one compiled step per batch kind.
 
     Args:
@@ -260,16 +240,9 @@ class Trainer:
         if self._state is not None:
             self.state = from_plain(self.state, tree, where)
             return
-        params = jax.tree.map(np.asarray, tree["params"])
-        template = TrainState(
-            step=np.zeros((), np.int32),
-            params=params,
-            opt_state=self.optimizer.init(params),
-            model_state=jax.tree.map(np.asarray, tree.get("model_state", {})),
-            rng=np.zeros((2,), np.uint32),
-            train_metrics=self._steps.fresh_train_metrics(),
+        self._adopt(
+            state_from_tree(tree, self.optimizer, self._steps.fresh_train_metrics(), where)
         )
-        self._adopt(from_plain(template, tree, where))
         self._unverified_source = where
 
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
@@ -388,10 +361,6 @@ class Trainer:
         placed = self._place_state(fresh)
         self._state = self._state.replace(train_metrics=placed)
 
-    def reset_eval_metrics(self) -> None:
-        """Resets the running eval metrics (evaluate() does this at its start)."""
-        self._eval_states = None
-
     def _make_initializer(self, spec: Any) -> Callable[..., Any]:
         per_device = self._steps.init_variables
         return _steps.make_initializer(lambda key, xs: per_device(spec, key, xs), self.mesh)
@@ -423,60 +392,38 @@ class Trainer:
             for a in arrays
         ]
 
-    def _validate_batch(self, graph: str, spec: Any, key_spec: Hashable, inputs, labels) -> None:
-        if not inputs:
-            raise ValueError(
-                f"at least one input is required: the {graph} batch for spec {spec!r} has none"
-            )
-        counts = (len(inputs), len(labels))
-        known = self._input_counts.get(key_spec, counts)
-        if known != counts:
-            raise ValueError(
-                f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
-                f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
-            )
-        sizes = {int(a.shape[0]) if a.ndim else None for a in [*inputs, *labels]}
-        if None in sizes:
-            raise ValueError(
-                f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
-                "needs a leading batch dimension"
-            )
-        if len(sizes) != 1:
-            raise ValueError(
-                f"the {graph} batch for spec {spec!r} mixes batch sizes {sorted(sizes)} "
-                f"(input shapes {[a.shape for a in inputs]}, label shapes "
-                f"{[a.shape for a in labels]}); inputs and labels need the same first dimension"
-            )
-        batch = sizes.pop()
-        if batch % self._local_devices:
-            raise ValueError(
-                f"batch size {batch} is not divisible by the {self._local_devices} devices; use a "
-                f"batch size that is a multiple of {self._local_devices} or pass devices=..."
-            )
-        # Recorded only for a valid batch, so a rejected first batch does not pin the spec.
-        self._input_counts[key_spec] = counts
-
     def _compile(self, graph: str, key: Hashable, spec: Any, inputs, labels) -> Executor:
-        self._validate_batch(graph, spec, key[1], inputs, labels)
+        batch = validate_batch(
+            graph, spec, key[1], inputs, labels, self._input_counts, self._local_devices
+        )
+        # Only an eval batch gets here undivided; its step takes it in pieces that divide.
+        pieces = split_uneven_batch(inputs, labels, self._local_devices) if batch % self._local_devices else None
+        model_inputs = inputs if pieces is None else pieces[0]
         if self._state is None:
-            self._initialize(spec, inputs)
+            self._initialize(spec, model_inputs)
         elif self._unverified_source is not None:
             self._verify_loaded_state(
-                spec, self._to_global(inputs) if self._multi_process else inputs
+                spec, self._to_global(model_inputs) if self._multi_process else model_inputs
             )
         started = time.perf_counter()
         global_inputs, global_labels = inputs, labels
-        if self._multi_process:
+        if self._multi_process and pieces is None:
             global_inputs, global_labels = self._to_global(inputs), self._to_global(labels)
         if graph == "train":
             body = functools.partial(self._steps.train, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
             compiled = step.lower(self._state, global_inputs, global_labels).compile()
-        else:
+        elif pieces is None:
             body = functools.partial(self._steps.eval, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 2, 2, donate=(1,))
             compiled = step.lower(
                 self._state, self._fresh_eval_states(), global_inputs, global_labels
+            ).compile()
+        else:
+            body = functools.partial(self._steps.eval_uneven, spec, self._rng)
+            step = _steps.make_parallel(body, self.mesh, self.parallel, 2, len(pieces), donate=(1,))
+            compiled = step.lower(
+                self._state, self._fresh_eval_states(), *self._globalize(pieces)
             ).compile()
         info = ExecInfo(
             graph_type=graph,
@@ -505,12 +452,12 @@ class Trainer:
             fast_key = executor = None
         if executor is not None:
             return executor
-        key_spec = _spec_key(spec)
+        key_spec = spec_key(spec)
         key = (
             graph,
             key_spec,
-            _signature(inputs, "inputs", spec),
-            _signature(labels, "labels", spec),
+            signature(inputs, "inputs", spec),
+            signature(labels, "labels", spec),
         )
         executor = self._cache.get(key)
         if executor is None:
@@ -543,68 +490,6 @@ class Trainer:
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
         return dict(zip(self._step_metric_names, values))
-
-    def _fresh_eval_states(self) -> Any:
-        fresh = self._steps.fresh_eval_metrics()
-        return self._place_state(fresh)
-
-    def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
-        """Updates the running eval metrics with one batch; parameters do not change.
-
-        Returns:
-          The running values `{"mean_loss": ..., <eval metric name>: ...}` over every
-          batch since the last `reset_eval_metrics()` (or `evaluate`).
-        """
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._executor("eval", spec, inputs, labels)
-        if self._eval_states is None:
-            self._eval_states = self._fresh_eval_states()
-        if self._multi_process:
-            inputs, labels = self._to_global(inputs), self._to_global(labels)
-        self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
-        return dict(zip(self.eval_metric_names, values))
-
-    def evaluate(self, dataset: Dataset) -> dict[str, float]:
-        """Evaluates on every batch of `dataset`; returns example-weighted means.
-
-        Resets the dataset and the eval metrics first (not after).
-
-        Returns:
-          `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
-
-        Raises:
-          ValueError: the dataset yields no batch, or has `loop_forever=True`.
-          RuntimeError: the dataset raised (the message names it).
-        """
-        if getattr(dataset, "loop_forever", False):
-            raise ValueError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} loops forever, so evaluating it "
-                "would never end; evaluate a dataset built with loop_forever=False"
-            )
-        dataset.reset()
-        self.reset_eval_metrics()
-        in_flight = InFlight()
-        values = None
-        while True:
-            try:
-                spec, inputs, labels = dataset.yield_batch()
-            except StopIteration:
-                break
-            except Exception as err:
-                raise RuntimeError(
-                    f"dataset {getattr(dataset, 'name', dataset)!r} failed during evaluation: "
-                    f"{type(err).__name__}: {err}"
-                ) from err
-            values = self.eval_step(spec, inputs, labels)
-            in_flight.push(values["mean_loss"])
-        if values is None:
-            raise ValueError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch to evaluate; "
-                "check its size and batch_size (drop_remainder drops a short last batch)"
-            )
-        host_values = jax.device_get(values)
-        return {name: float(host_values[name]) for name in self.eval_metric_names}
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,136 @@
+"""Batches as the Trainer takes them: cache keys, checks, and evaluation's uneven batches."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import jax
+import numpy as np
+
+
+def spec_key(spec: Any) -> Hashable:
+    try:
+        hash(spec)
+    except TypeError:
+        return ("loopax:repr", repr(spec))
+    return spec
+
+
+def signature(arrays: list[Any], what: str, spec: Any) -> tuple:
+    try:
+        return tuple((array.shape, array.dtype) for array in arrays)
+    except AttributeError:
+        for position, array in enumerate(arrays):
+            if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+                raise TypeError(
+                    f"{what}[{position}] for spec {spec!r} is a {type(array).__name__}, not an "
+                    "array; datasets must yield numpy or jax arrays (np.asarray converts lists)"
+                ) from None
+        raise
+
+
+def dropped_examples_warning(dataset: Any) -> str | None:
+    """Says how many examples one pass over `dataset` skips, read from its attributes
+    (`num_examples`, `batch_size`, `drop_remainder`, as `ArrayDataset` has), or None."""
+    num_examples = getattr(dataset, "num_examples", None)
+    batch_size = getattr(dataset, "batch_size", None)
+    drop_remainder = getattr(dataset, "drop_remainder", False)
+    if not (isinstance(drop_remainder, (bool, np.bool_)) and drop_remainder):
+        return None
+    if not all(
+        isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        for value in (num_examples, batch_size)
+    ) or batch_size < 1:
+        return None
+    dropped = int(num_examples) % int(batch_size)
+    if not dropped:
+        return None
+    return (
+        f"dataset {getattr(dataset, 'name', dataset)!r} drops its last {dropped} of "
+        f"{num_examples} examples (drop_remainder=True with batch_size {batch_size}): this "
+        f"evaluation covers {num_examples - dropped}; build it with drop_remainder=False to "
+        "evaluate every example"
+    )
+
+
+def validate_batch(
+    graph: str, spec: Any, key_spec: Hashable, inputs: list, labels: list,
+    input_counts: dict, local_devices: int,
+) -> int:
+    """Checks a batch's arrays; returns its (local) batch size.
+
+    A train batch must divide by the local devices; an eval batch need not
+    (`eval_step` splits off and pads its remainder).
+    """
+    if not inputs:
+        raise ValueError(
+            f"at least one input is required: the {graph} batch for spec {spec!r} has none"
+        )
+    counts = (len(inputs), len(labels))
+    known = input_counts.get(key_spec, counts)
+    if known != counts:
+        raise ValueError(
+            f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
+            f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
+        )
+    sizes = {int(a.shape[0]) if a.ndim else None for a in [*inputs, *labels]}
+    if None in sizes:
+        raise ValueError(
+            f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
+            "needs a leading batch dimension"
+        )
+    if len(sizes) != 1:
+        raise ValueError(
+            f"the {graph} batch for spec {spec!r} mixes batch sizes {sorted(sizes)} "
+            f"(input shapes {[a.shape for a in inputs]}, label shapes "
+            f"{[a.shape for a in labels]}); inputs and labels need the same first dimension"
+        )
+    batch = sizes.pop()
+    if batch % local_devices and graph != "eval":
+        raise ValueError(
+            f"batch size {batch} is not divisible by the {local_devices} devices; use a "
+            f"batch size that is a multiple of {local_devices} or pass devices=..."
+        )
+    # Recorded only for a valid batch, so a rejected first batch does not pin the spec.
+    input_counts[key_spec] = counts
+    return batch
+
+
+def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[list, ...]:
+    """Splits a (local) batch that the N local devices do not divide into the pieces
+    `_steps.StepBuilder.eval_uneven` takes, each a list of arrays.
+
+    Returns `(padded_inputs, padded_labels, [valid])`, then `(inputs, labels)` of its
+    largest part that N divides, unless that part is empty. The last r < N examples
+    are padded to N: devices 0..r-1 get them and the others copies of the last one
+    (real inputs, so padding cannot make the model raise or overflow), and
+    `valid[i]` says whether device i's example is real; device 0's always is, so the
+    merge over devices starts from a real one.
+    """
+    batch = int(inputs[0].shape[0])
+    remainder = batch % num_devices
+    divisible = batch - remainder
+    rows = divisible + np.minimum(np.arange(num_devices), remainder - 1)
+    pieces = (
+        [a[rows] for a in inputs],
+        [a[rows] for a in labels],
+        [np.arange(num_devices) < remainder],
+    )
+    if divisible:
+        pieces += ([a[:divisible] for a in inputs], [a[:divisible] for a in labels])
+    return pieces
+
+
+def check_same_batch_size_everywhere(spec: Any, batch: int) -> None:
+    """Multi-process: every process must split its batch the same way; all raise
+    together (not one raising while the others wait in a collective) when not."""
+    from jax.experimental import multihost_utils
+
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(batch, np.int32))).ravel()
+    if np.any(sizes != batch):
+        raise ValueError(
+            f"the eval batches for spec {spec!r} have different sizes on the "
+            f"{jax.process_count()} processes ({sizes.tolist()}, by process); every "
+            "process must yield the same number of examples in each batch, the last one "
+            "included: give each process an equal share of the eval set"
+        )
