@@ -269,3 +269,14 @@ def dataset_name(dataset: Any) -> str:
             "shown under it; e.g. ArrayDataset(..., name='test')"
         )
     return name
+
+
+def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
+    """The error for a `yield_batch()` result that is not `(spec, inputs, labels)`."""
+    size = f"a tuple of {len(batch)} items" if isinstance(batch, tuple) else f"a {type(batch).__name__}"
+    return ValueError(
+        f"dataset {getattr(dataset, 'name', dataset)!r} yielded {size}; yield_batch() must "
+        "return (spec, inputs, labels). For (inputs, labels) pairs return "
+        "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
+        "accepts both"
+    )

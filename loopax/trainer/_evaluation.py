@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
-from ._datasets import Dataset, as_list
+from ._datasets import Dataset, as_list, bad_batch_error
 from ._inflight import InFlight
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class EvalSteps:
         values = None
         while True:
             try:
-                spec, inputs, labels = dataset.yield_batch()
+                batch = dataset.yield_batch()
             except StopIteration:
                 break
             except Exception as err:
@@ -128,7 +128,9 @@ class EvalSteps:
                     f"dataset {getattr(dataset, 'name', dataset)!r} failed during evaluation: "
                     f"{type(err).__name__}: {err}"
                 ) from err
-            values = self.eval_step(spec, inputs, labels)
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            values = self.eval_step(*batch)
             in_flight.push(values["mean_loss"])
         if values is None:
             raise ValueError(

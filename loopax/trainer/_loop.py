@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._datasets import Dataset
+from ._datasets import Dataset, bad_batch_error
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import History
 from ._hook_registry import PHASES
@@ -275,15 +275,6 @@ class Loop(MetricsAccess):
             f"{self.loop_step}: {type(err).__name__}: {err}"
         )
 
-    def _bad_batch(self, dataset: Dataset, batch: Any) -> ValueError:
-        size = f"a tuple of {len(batch)} items" if isinstance(batch, tuple) else f"a {type(batch).__name__}"
-        return ValueError(
-            f"dataset {getattr(dataset, 'name', dataset)!r} yielded {size}; yield_batch() must "
-            "return (spec, inputs, labels). For (inputs, labels) pairs return "
-            "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
-            "accepts both"
-        )
-
     def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
         """Runs steps and their OnStep hooks until `loop_step` reaches `stop_step`, a stop
         is requested, or the dataset ends; returns True if the dataset ended.
@@ -308,7 +299,7 @@ class Loop(MetricsAccess):
                 except Exception as err:
                     raise self._dataset_error(dataset, err) from err
                 if type(batch) is not tuple or len(batch) != 3:
-                    raise self._bad_batch(dataset, batch)
+                    raise bad_batch_error(dataset, batch)
                 step = self.loop_step
                 metrics = train_step(*batch)
                 self.metrics = metrics

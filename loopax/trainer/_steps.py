@@ -162,7 +162,15 @@ class StepBuilder:
             )
         total = jnp.zeros((), jnp.float32)
         if self.loss_fn is not None:
-            total = total + jnp.mean(self.loss_fn(labels, predictions)).astype(jnp.float32)
+            loss = self.loss_fn(labels, predictions)
+            if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
+                name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+                raise TypeError(
+                    f"loss function {name!r} returned a {type(loss).__name__}; it must return one "
+                    "array: the loss, or per-example losses (they are averaged). Report other "
+                    "values with train_metrics, or add extra terms with ctx.add_loss"
+                )
+            total = total + jnp.mean(loss).astype(jnp.float32)
         if added_loss is not None:
             total = total + added_loss
         return total
