@@ -7,11 +7,17 @@ from ._checkpoint import NoGoodCheckpointError as NoGoodCheckpointError
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint_io import DamagedCheckpointError as DamagedCheckpointError
 from ._checkpoint_writer import BackgroundSaveError as BackgroundSaveError
+from ._early_stopping import EarlyStopping as EarlyStopping
+from ._early_stopping import early_stopping as early_stopping
 from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
 from ._metrics_log import MetricsLog as MetricsLog
+from ._nan_guard import NanGuard as NanGuard
+from ._nan_guard import nan_guard as nan_guard
 from ._metrics_log import metrics_log as metrics_log
+from ._plateau import ReduceLROnPlateau as ReduceLROnPlateau
+from ._plateau import reduce_lr_on_plateau as reduce_lr_on_plateau
 from ._plot import Plotter as Plotter
 from ._plot import plot as plot
 from ._progress import ProgressBar as ProgressBar
@@ -43,6 +49,7 @@ __all__ = sorted([
     "BackgroundSaveError",
     "Checkpointer",
     "DamagedCheckpointError",
+    "EarlyStopping",
     "EveryNEpochs",
     "EveryNSteps",
     "Evaluator",
@@ -51,15 +58,18 @@ __all__ = sorted([
     "MetricWriter",
     "MetricsLog",
     "NTimes",
+    "NanGuard",
     "NoGoodCheckpointError",
     "Periodic",
     "Plotter",
     "ProgressBar",
+    "ReduceLROnPlateau",
     "Schedule",
     "TensorBoardWriter",
     "WriterHooks",
     "at_steps",
     "checkpoint",
+    "early_stopping",
     "evaluate",
     "every_n_epochs",
     "every_n_steps",
@@ -67,10 +77,12 @@ __all__ = sorted([
     "first_n_steps",
     "metrics_log",
     "n_times_during_loop",
+    "nan_guard",
     "on_schedule",
     "periodic_callback",
     "plot",
     "progress_bar",
+    "reduce_lr_on_plateau",
     "report_eval",
     "tensorboard",
     "write_metrics",

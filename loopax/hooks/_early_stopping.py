@@ -1,0 +1,306 @@
+"""`early_stopping`: stops training once a monitored metric stops improving.
+
+Keras's `EarlyStopping` on loopax's hook contract; `MetricMonitor` (`_monitor.py`) watches
+the metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..trainer._hooks import Priority
+from ..trainer._loop import Loop
+from ._monitor import MetricMonitor, check_count, check_number
+
+_logger = logging.getLogger("loopax")
+
+# After the checkpoint hook's end-of-run save (which then holds the true last state), before
+# the logs and the UI.
+RESTORE_PRIORITY = Priority.CHECKPOINT + 1
+
+
+def _equal_trees(a: Any, b: Any) -> bool:
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    equal = [jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return bool(jnp.all(jnp.stack(equal))) if equal else True
+
+
+class EarlyStopping(MetricMonitor):
+    """Stops the run once `monitor` has not improved for `patience` checks; created by
+    `early_stopping` (read its documentation for the rules).
+
+    Attributes:
+      monitor, mode, min_delta, checks, last_step: see `MetricMonitor`.
+      patience: checks without improvement before stopping.
+      baseline: the value to beat, or None.
+      restore_best: whether the trainer holds the best parameters after each run.
+      best: the best value so far, or None.
+      best_step: the global step of `best`, or None.
+      wait: checks since the last one that improved on the best (and the baseline).
+      stopped_step: the global step at which it stopped the training, or None.
+      stop_reason: why it stopped, or None.
+      restored_step: the step whose parameters were put back at the end of the last run,
+        or None when none were.
+    """
+
+    def __init__(
+        self,
+        loop: Loop,
+        monitor: Any,
+        *,
+        mode: Any,
+        min_delta: float,
+        patience: int,
+        baseline: float | None,
+        restore_best: bool,
+    ):
+        super().__init__(loop, "early_stopping", monitor, mode, min_delta)
+        self.patience = check_count("early_stopping", "patience", patience)
+        self.baseline = None if baseline is None else check_number(
+            "early_stopping", "baseline", baseline, minimum=None)
+        if not isinstance(restore_best, bool):
+            raise ValueError(f"early_stopping: restore_best must be True or False, got "
+                             f"{restore_best!r}")
+        self.restore_best = restore_best
+        self.trainer = loop.trainer
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0
+        self.stopped_step: int | None = None
+        self.stop_reason: str | None = None
+        self.restored_step: int | None = None
+        self._best_copy: tuple[Any, Any] | None = None  # (params, model_state) on the device
+        self._best_copy_step: int | None = None
+        # The training's own (params, model_state, global step), kept while the trainer
+        # holds the best ones between runs: the next run trains on from them.
+        self._set_aside: tuple[Any, Any, int] | None = None
+        loop.on_start(self.name, self._on_start, Priority.VALIDATE + 1)
+        loop.on_restore(self.name, self._on_restore)
+        loop.on_end(self.name, self._on_end, RESTORE_PRIORITY, check_finite=False)
+        self._watch(loop, Priority.DEFAULT)
+
+    @property
+    def best_params(self) -> Any:
+        """A device copy of the parameters at `best_step` (with `restore_best`, kept from
+        the check that found it in this process), or None."""
+        if self._best_copy is None or self._best_copy_step != self.best_step:
+            return None
+        return self._best_copy[0]
+
+    def reset(self) -> None:
+        """Forgets the best value, the wait and the stop, so that later runs train again
+        (as a new Keras `fit` would); values of steps already checked still are not counted."""
+        self.best = self.best_step = self.stopped_step = self.stop_reason = None
+        self.wait = 0
+
+    def measures_training(self, loop: Loop) -> bool:
+        # Between runs the trainer may hold the best parameters instead of the training's.
+        del loop
+        return self._set_aside is None
+
+    def on_value(self, loop: Loop, step: int, value: float) -> None:
+        self.wait += 1
+        if self.improves(value, self.best):
+            self.best, self.best_step = value, step
+            if self.restore_best:
+                # A real copy: the next step donates the state's device buffers.
+                state = loop.trainer.state
+                self._best_copy = jax.tree.map(jnp.copy, (state.params, state.model_state))
+                self._best_copy_step = step
+            if self.baseline is None or self.improves(value, self.baseline):
+                self.wait = 0
+        if self.wait >= max(self.patience, 1) and self.stopped_step is None:
+            if self.baseline is not None and not self.improves(self.best, self.baseline):
+                what = f"did not improve on baseline {self.baseline:.6g}"
+            else:
+                what = f"did not improve on {self.best:.6g} (step {self.best_step})"
+            delta = f" by more than {self.min_delta:g}" if self.min_delta else ""
+            self.stopped_step = step
+            self.stop_reason = (
+                f"early stopping: {self.monitor} {what}{delta} in {self.wait} checks; "
+                f"stopped at step {step}"
+            )
+            _logger.info("%s", self.stop_reason)
+            loop.request_stop(self.stop_reason)
+
+    def _on_start(self, loop: Loop, dataset: Any) -> None:
+        del dataset
+        if self.stopped_step is not None:
+            warnings.warn(
+                f"{self.name} stopped this training at step {self.stopped_step} "
+                f"({self.stop_reason}), so this run stops before its first step. Call reset() "
+                "on the object early_stopping returned to train on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            loop.request_stop(self.stop_reason or "early stopping")
+            return
+        self._put_back_training_params(loop.trainer)
+
+    def _put_back_training_params(self, trainer: Any) -> None:
+        """The next run continues the training from its own last parameters, not the best
+        ones shown between runs: chunked runs equal one long run (and a resumed one)."""
+        set_aside, self._set_aside = self._set_aside, None
+        if set_aside is None or self._best_copy is None:
+            return
+        params, model_state, step = set_aside
+        state = trainer.state
+        # Only if nobody replaced the parameters between the runs.
+        if step == trainer.global_step and _equal_trees(
+            (state.params, state.model_state), self._best_copy
+        ):
+            trainer.state = state.replace(params=params, model_state=model_state)
+
+    def _on_restore(self, loop: Loop, step: int) -> None:
+        del loop, step
+        self._set_aside = None  # the trainer's state was replaced
+
+    def _on_end(self, loop: Loop, metrics: Any) -> None:
+        del metrics
+        self._warn_if_never_checked(loop)
+        self.restored_step = None
+        if not self.restore_best or self.best_step is None:
+            return
+        trainer = loop.trainer
+        if self.best_step == trainer.global_step:
+            return  # the trainer holds the best parameters already
+        if self._best_copy is None or self._best_copy_step != self.best_step:
+            warnings.warn(
+                f"{self.name}: the best {self.monitor} ({self.best:.6g}) was at step "
+                f"{self.best_step}, before the training last resumed from a checkpoint, so "
+                f"those parameters are not in memory and the trainer keeps those of step "
+                f"{trainer.global_step}. To get "
+                f"them back, attach hooks.checkpoint(loop, directory, best_metric="
+                f"{self.monitor!r}, best_mode={self.mode!r}) and call its restore_best()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        state = trainer.state
+        if self._set_aside is None:
+            # No copy: the trainer lets go of these arrays (its new state is placed anew).
+            self._set_aside = (state.params, state.model_state, trainer.global_step)
+        params, model_state = self._best_copy
+        trainer.state = state.replace(params=params, model_state=model_state)
+        self.restored_step = self.best_step
+        _logger.info("%s: restored the parameters of step %d", self.name, self.best_step)
+
+    def get_state(self) -> dict[str, Any]:
+        """The counters a checkpoint saves (JSON): best, best step, wait, stop."""
+        return {
+            **super().get_state(),
+            "best": self.best,
+            "best_step": self.best_step,
+            "wait": self.wait,
+            "stopped_step": self.stopped_step,
+            "stop_reason": self.stop_reason,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores `get_state()`."""
+        super().set_state(state)
+        best = state.get("best")
+        self.best = None if best is None else float(best)
+        self.best_step = state.get("best_step")
+        self.wait = int(state.get("wait", 0))
+        self.stopped_step = state.get("stopped_step")
+        self.stop_reason = state.get("stop_reason")
+
+    def __repr__(self) -> str:
+        return (f"EarlyStopping({self.monitor!r}, best={self.best}, best_step={self.best_step}, "
+                f"wait={self.wait}, stopped_step={self.stopped_step})")
+
+
+def early_stopping(
+    loop: Loop,
+    monitor: str,
+    *,
+    mode: str = "auto",
+    min_delta: float = 0.0,
+    patience: int = 5,
+    baseline: float | None = None,
+    restore_best: bool = True,
+) -> EarlyStopping:
+    """Stops training once `monitor` has stopped improving (Keras's `EarlyStopping`).
+
+    `monitor` is checked at every evaluation of its dataset for `"eval/<dataset>/<metric>"`
+    (from `hooks.evaluate` or any `loop.evaluate`), or at every epoch end of `run_epochs`
+    for `"train/<metric>"` (the value at the epoch's last step). A value improves when it
+    beats the best so far by more than `min_delta` (mode "min": `value < best -
+    min_delta`; "max": `value > best + min_delta`); NaN and infinities never do. `wait`
+    counts the checks since the last one that improved on the best (and, with `baseline`,
+    also beat the baseline by more than `min_delta`); when it reaches `patience` the hook
+    calls `loop.request_stop(reason)`: the run ends after the current step's hooks, its
+    OnEnd hooks included.
+
+    With `restore_best`, the parameters and the model state (e.g. BatchNorm statistics) of
+    the best check are copied on the device when found, and at the end of **every** run,
+    stopped early or not, the trainer holds them; the optimizer state, the global step and
+    the RNG stay the training's own. This runs after the checkpoint hook's end-of-run save
+    (at `Priority.CHECKPOINT + 1`), so the last checkpoint holds the true last training
+    state and resumes exactly. The next run on the same loop trains on from the
+    training's own last parameters (unless they were replaced by hand in between), so
+    chunked runs equal one long run. After a resume from a checkpoint, best parameters
+    found before it are not in memory: the run's end then warns and keeps the current
+    ones; `hooks.checkpoint(loop, directory, best_metric=monitor, best_mode=...)` and
+    `Checkpointer.restore_best()` get them back.
+
+    The counters (best, best step, wait, stop) live on across runs and are saved with
+    every checkpoint, so a resumed run continues the patience count. Once it has stopped
+    the training, a later run on the loop (or in a resumed process) stops at its start
+    with a warning, as the uninterrupted run did; `reset()` re-arms it.
+
+    Where loopax differs from Keras's `EarlyStopping`: `patience` counts checks of
+    `monitor` (evaluations or epoch ends), not epochs; the counters are not reset when a
+    run starts (Keras resets them in every `fit`); `mode="auto"` uses the metric's type and
+    raises for anything but a loss or an accuracy, where Keras guesses from the name; a
+    negative `min_delta`, an unknown `mode` or `monitor` raise instead of being corrected
+    or warned about; with `baseline`, the stop comes after `patience` checks that did not
+    beat the baseline even while the value still improves (as Keras documents it; Keras's
+    code waits for a check that does not improve); the best parameters are restored
+    whether or not the run stopped early (Keras 2 restored them only after an early stop,
+    keras-team/keras#12511); there is no `start_from_epoch` or `verbose` (the stop's reason
+    is in `loop.stop_reason` and logged). As in Keras, `patience=0` acts as 1.
+
+    Args:
+      loop: the `loopax.Loop`.
+      monitor: the metric key: `"eval/<dataset>/<metric>"` (e.g. `"eval/test/mean_loss"`) or
+        `"train/<metric>"` (e.g. `"train/moving_average_loss"`, with `run_epochs`).
+      mode: `"min"`, `"max"`, or `"auto"`: min for losses, max for accuracies.
+      min_delta: how much (>= 0) a value must beat the best by to count as an improvement.
+      patience: how many checks without improvement end the training (>= 0).
+      baseline: a value the monitor must beat (by `min_delta`) to reset the wait.
+      restore_best: leave the trainer with the best parameters at the end of each run.
+
+    Returns:
+      The `EarlyStopping` (`best`, `best_step`, `wait`, `stopped_step`, `restored_step`,
+      `best_params`, `reset()`).
+
+    Raises:
+      ValueError: `monitor` names none of the trainer's metric keys (the message lists
+        them), `mode` is unknown or "auto" cannot decide, or a bad `patience`,
+        `min_delta`, `baseline` or `restore_best`.
+
+    Example:
+      >>> import jax, numpy as np, optax, flax.linen as nn, loopax
+      >>> from loopax import hooks
+      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
+      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
+      >>> x, y = np.ones((8, 2), np.float32), np.ones((8, 1), np.float32)
+      >>> loop = loopax.Loop(trainer)
+      >>> _ = hooks.evaluate(loop, loopax.ArrayDataset(x, y, 4, name="test"), every_n_steps=2)
+      >>> stopper = hooks.early_stopping(loop, "eval/test/mean_loss", patience=3)
+      >>> _ = loop.run_steps(loopax.ArrayDataset(x, y, 4, loop_forever=True), 10)
+      >>> stopper.mode, stopper.checks, stopper.stopped_step
+      ('min', 5, None)
+    """
+    return EarlyStopping(
+        loop, monitor, mode=mode, min_delta=min_delta, patience=patience, baseline=baseline,
+        restore_best=restore_best,
+    )

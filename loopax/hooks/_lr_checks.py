@@ -1,0 +1,75 @@
+"""Whether an optimizer's learning rate can be changed at run time, asked before training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
+from ..trainer._hooks import Priority
+from ..trainer._loop import Loop
+from ._triggers import FirstNSteps
+
+_FIX = (
+    "Build the optimizer with loopax.optimizers (e.g. loopax.optimizers.adam(1e-3)) or wrap "
+    "an optax one with optax.inject_hyperparams (e.g. optax.inject_hyperparams(optax.adam)"
+    "(learning_rate=1e-3)), with a float learning rate"
+)
+
+
+def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
+    """Raises a ValueError naming `what` unless `opt_state` (arrays or shapes) holds a
+    learning rate that can be set."""
+    if get_learning_rate(opt_state) is None:
+        raise ValueError(
+            f"{what} changes the optimizer's learning rate while training, but this optimizer "
+            f"keeps no learning rate in its state (e.g. optax.sgd(0.1)). {_FIX}.{note}"
+        )
+    try:
+        jax.eval_shape(lambda state: set_learning_rate(state, 1.0), opt_state)
+    except ValueError as err:
+        raise ValueError(
+            f"{what} changes the optimizer's learning rate while training, but a schedule drives "
+            "this optimizer's learning rate and would overwrite every change at the next step. "
+            f"{_FIX} for the hook to control it, or keep the schedule and drop the hook"
+        ) from err
+
+
+def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> bool:
+    """Checks the trainer's optimizer now if possible: with its state, or initialized on
+    stand-in parameters. Returns False when only the real parameters can tell (e.g.
+    `optax.multi_transform` labelled by the parameter tree).
+
+    Raises:
+      ValueError: the learning rate cannot be changed at run time.
+    """
+    state = trainer.state
+    if state is not None:
+        check_optimizer_state(state.opt_state, what, note)
+        return True
+    stand_in = {"kernel": jax.ShapeDtypeStruct((2, 2), jnp.float32),
+                "bias": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    try:
+        opt_state = jax.eval_shape(trainer.optimizer.init, stand_in)
+    except Exception:  # noqa: BLE001 - its init needs the real parameters' structure
+        return False
+    check_optimizer_state(opt_state, what, note)
+    return True
+
+
+def require_adjustable_learning_rate(
+    loop: Loop, what: str, note: str = "", hook_name: str | None = None
+) -> None:
+    """`check_adjustable_learning_rate` now, or at the first step of each run when only the
+    real parameters can tell (in an OnStep hook named after `hook_name`, default `what`)."""
+    if check_adjustable_learning_rate(loop.trainer, what, note):
+        return
+
+    def check(loop: Loop, metrics: Any) -> None:
+        del metrics
+        check_optimizer_state(loop.trainer.state.opt_state, what, note)
+
+    loop.on_step(f"{hook_name or what}: check the learning rate", check, Priority.VALIDATE,
+                 when=FirstNSteps(1), check_finite=False)

@@ -1,0 +1,175 @@
+"""`nan_guard`: skip non-finite steps, roll back to the newest good checkpoint, then stop.
+
+The escalation ladder (as large-model trainers do it by hand, e.g. PaLM's "restart from a
+checkpoint before the spike and skip the batches that caused it"):
+
+1. A step whose loss or gradient is NaN or infinite is skipped inside the compiled step:
+   parameters, optimizer, model and metric states stay as they were (`train/skipped_steps`
+   counts them). Isolated bad batches cost nothing more.
+2. After `max_skips` consecutive skipped steps, the newest good checkpoint is restored in
+   the same process and the learning rate is multiplied by `lr_factor`; the run goes on from
+   there with the next batches of the dataset (the ones that went bad are not replayed).
+3. After `max_rollbacks` rollbacks (or at once with `rollback=False`) the run stops with
+   `NonFiniteLossError`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from ..trainer._finite import NonFiniteLossError
+from ..trainer._hooks import Priority
+from ..trainer._loop import Loop
+from ._checkpoint import CHECKPOINTERS
+from ._lr_checks import require_adjustable_learning_rate
+from ._schedules import _check_positive_int
+
+
+class NanGuard:
+    """Skips non-finite steps, rolls back, then stops; created by `nan_guard`.
+
+    Attributes:
+      skipped_steps: every loop step skipped so far in this process, in order.
+      consecutive: how many steps in a row were skipped, up to the newest checked one.
+      rollbacks: the rollbacks made (restored in a resumed process).
+      rolled_back_to: the global steps restored by each rollback of this process.
+    """
+
+    def __init__(self, loop: Loop, max_skips: int, rollback: bool, lr_factor: float,
+                 max_rollbacks: int):
+        self.loop = loop
+        self.max_skips = max_skips
+        self.rollback = rollback
+        self.lr_factor = lr_factor
+        self.max_rollbacks = max_rollbacks
+        self.skipped_steps: list[int] = []
+        self.consecutive = 0
+        self.rollbacks = 0
+        self.rolled_back_to: list[int] = []
+        self._last_skipped = -2
+        self._rolling_back = False
+
+    # -- checkpointed state ---------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if not self._rolling_back:  # a rollback restores older counters: keep the live ones
+            self.rollbacks = int(state.get("rollbacks", 0))
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _checkpointer(self) -> Any:
+        found = self.loop.shared_data.get(CHECKPOINTERS, [])
+        return found[-1] if found else None
+
+    def on_start(self, loop: Loop, dataset: Any) -> None:
+        del dataset
+        self.consecutive, self._last_skipped = 0, -2
+        if not self.rollback:
+            return
+        if self._checkpointer() is None:
+            raise ValueError(
+                "nan_guard(rollback=True) rolls back to the newest good checkpoint, but no "
+                "hooks.checkpoint is attached to this loop; attach one (e.g. "
+                "hooks.checkpoint(loop, dir, period_seconds=600)) or pass rollback=False"
+            )
+
+    def on_skipped(self, loop: Loop, steps: list[int]) -> None:
+        """The loop's non-finite handler: `steps` were skipped in the compiled step."""
+        for step in steps:
+            self.skipped_steps.append(step)
+            self.consecutive = self.consecutive + 1 if step == self._last_skipped + 1 else 1
+            self._last_skipped = step
+        if self.consecutive >= self.max_skips:
+            self._escalate(loop)
+
+    def _escalate(self, loop: Loop) -> None:
+        first = self._last_skipped - self.consecutive + 1
+        streak = f"{self.consecutive} steps in a row (steps {first} to {self._last_skipped})"
+        if not self.rollback:
+            raise NonFiniteLossError(
+                f"the loss or gradient was not finite for {streak}, and nan_guard stops after "
+                f"{self.max_skips} (rollback=False). Lower the learning rate, clip gradients, or "
+                "check the data",
+                first,
+            )
+        if self.rollbacks >= self.max_rollbacks:
+            raise NonFiniteLossError(
+                f"the loss or gradient was not finite for {streak} after {self.rollbacks} "
+                f"rollback(s) (max_rollbacks={self.max_rollbacks}): stopping. Lower the learning "
+                "rate, clip gradients, or check the data",
+                first,
+            )
+        checkpointer = self._checkpointer()
+        rate = loop.trainer.learning_rate
+        self._rolling_back = True
+        try:
+            restored = checkpointer.restore()
+        finally:
+            self._rolling_back = False
+        if restored is None:
+            raise NonFiniteLossError(
+                f"the loss or gradient was not finite for {streak}, and there is no checkpoint "
+                f"in {str(checkpointer.directory)!r} to roll back to yet",
+                first,
+            )
+        self.rollbacks += 1
+        self.rolled_back_to.append(restored)
+        self.consecutive, self._last_skipped = 0, -2
+        if rate is not None and self.lr_factor != 1.0:
+            loop.trainer.set_learning_rate(rate * self.lr_factor)
+
+
+def nan_guard(
+    loop: Loop,
+    *,
+    max_skips: int = 3,
+    rollback: bool = True,
+    lr_factor: float = 0.5,
+    max_rollbacks: int = 3,
+) -> NanGuard:
+    """Replaces the stop on a non-finite loss with an escalation: skip, roll back, stop.
+
+    A train step whose loss or gradient is NaN or infinite is skipped inside the compiled
+    step (parameters and optimizer state unchanged; `train/skipped_steps` counts them in
+    `loop.history` and every writer). After `max_skips` consecutive skipped steps the newest
+    good checkpoint of the loop's `hooks.checkpoint` is restored in-process, the learning
+    rate (the one in use before the rollback) is multiplied by `lr_factor`, and the run goes
+    on from that step with the dataset's next batches. After `max_rollbacks` rollbacks it
+    stops with `NonFiniteLossError`; with `rollback=False` it stops after `max_skips`
+    consecutive skips instead. Skips are seen when the loop waits for its steps in flight
+    (no per-step sync), so a rollback comes at most one in-flight window after the streak.
+
+    Args:
+      loop: the `loopax.Loop`.
+      max_skips: consecutive skipped steps that trigger a rollback (or the stop).
+      rollback: roll back to the newest good checkpoint (needs `hooks.checkpoint`).
+      lr_factor: multiplies the learning rate at each rollback (1.0 keeps it); needs an
+        optimizer whose learning rate can change (`loopax.optimizers`, or
+        `optax.inject_hyperparams`).
+      max_rollbacks: rollbacks before it stops.
+
+    Returns:
+      The `NanGuard`.
+
+    Raises:
+      ValueError: bad counts or factor; an optimizer whose learning rate cannot change with
+        `lr_factor != 1`. At the start of a run with `rollback=True`: no checkpoint hook.
+    """
+    max_skips = _check_positive_int("max_skips", max_skips)
+    max_rollbacks = _check_positive_int("max_rollbacks", max_rollbacks)
+    if (isinstance(lr_factor, bool) or not isinstance(lr_factor, numbers.Real)
+            or not math.isfinite(lr_factor) or not 0 < lr_factor <= 1):
+        raise ValueError(f"lr_factor must be a number in (0, 1], got lr_factor={lr_factor!r}")
+    guard = NanGuard(loop, max_skips, bool(rollback), float(lr_factor), max_rollbacks)
+    if guard.rollback and guard.lr_factor != 1.0:
+        require_adjustable_learning_rate(loop, f"nan_guard(lr_factor={guard.lr_factor:g})")
+    loop.trainer.skip_non_finite_steps(True)
+    loop.handle_non_finite(guard.on_skipped)
+    loop.add_state("nan_guard", guard)
+    loop.on_start("nan_guard", guard.on_start, Priority.VALIDATE)
+    return guard

@@ -1,0 +1,164 @@
+"""`nan_guard`: poisoned batches skipped, rollbacks to real Orbax checkpoints, then the stop."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import loopax
+from loopax import hooks
+
+BATCH_SIZE = 8
+
+
+class PoisonedDataset:
+    """Batches of a small regression task; the batches listed in `bad` hold NaN inputs.
+
+    The batch index keeps counting after a rollback (the loop does not rewind the data), so
+    the bad batches are not replayed.
+    """
+
+    name = "poisoned"
+
+    def __init__(self, bad=()):
+        rng = np.random.default_rng(0)
+        self.inputs = rng.normal(size=(50 * BATCH_SIZE, 4)).astype(np.float32)
+        self.labels = self.inputs.sum(axis=1, keepdims=True)
+        self.bad = bad
+        self.index = 0
+
+    def yield_batch(self):
+        index, self.index = self.index, self.index + 1
+        start = (index * BATCH_SIZE) % len(self.inputs)
+        inputs = self.inputs[start:start + BATCH_SIZE].copy()
+        if index in self.bad:
+            inputs[:] = np.nan
+        return None, [inputs], [self.labels[start:start + BATCH_SIZE]]
+
+    def reset(self):
+        pass
+
+    def get_state(self):
+        return {"index": self.index}
+
+    def set_state(self, state):
+        self.index = state["index"]
+
+
+class From:
+    """`index in From(20)`: every batch from 20 on."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def __contains__(self, index):
+        return index >= self.first
+
+
+def make_loop(tmp_path, devices=1, checkpoint=True, optimizer=None):
+    trainer = loopax.Trainer(
+        lambda ctx, spec, x: nn.Dense(1)(x[0]),
+        loopax.losses.mean_squared_error,
+        optimizer or loopax.optimizers.sgd(0.01),
+        devices=jax.devices()[:devices],
+    )
+    loop = loopax.Loop(trainer)
+    if checkpoint:
+        hooks.checkpoint(loop, tmp_path / "ckpt", every_n_steps=5)
+    return loop
+
+
+def finite(tree):
+    return all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_isolated_bad_batches_are_skipped_and_counted(tmp_path, devices):
+    loop = make_loop(tmp_path, devices)
+    guard = hooks.nan_guard(loop, max_skips=3)
+    hooks.metrics_log(loop, tmp_path / "log.jsonl", every_n_steps=1)
+    loop.run_steps(PoisonedDataset(bad={3, 9, 40}), 60)
+    assert guard.skipped_steps == [3, 9, 40] and guard.rollbacks == 0
+    assert loop.trainer.global_step == 60 and finite(loop.trainer.params)
+    counts = dict(loop.history["train/skipped_steps"])
+    # Counted from the skipped step on (global step = loop step + 1), in every writer.
+    assert [counts[step] for step in (3, 4, 9, 10, 40, 41, 60)] == [0, 1, 1, 2, 2, 3, 3]
+    # The moving average of the loss never saw a NaN.
+    assert all(np.isfinite(value) for _, value in loop.history["train/moving_average_loss"])
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_streak_rolls_back_to_the_newest_good_checkpoint_and_lowers_the_rate(tmp_path, devices):
+    loop = make_loop(tmp_path, devices)
+    guard = hooks.nan_guard(loop, max_skips=3, lr_factor=0.5)
+    restored = []
+    loop.on_restore("record", lambda loop, step: restored.append(step))
+    hooks.metrics_log(loop, tmp_path / "log.jsonl", every_n_steps=1)
+    loop.run_steps(PoisonedDataset(bad={20, 21, 22, 23}), 60)
+    # Checkpoints every 5 steps: the newest one before the streak (loop steps 20-23) is 20.
+    assert restored == [20] and guard.rolled_back_to == [20] and guard.rollbacks == 1
+    assert loop.trainer.learning_rate == pytest.approx(0.005)
+    assert loop.trainer.global_step == 60 and finite(loop.trainer.params)
+    # The history was cut at the restored step and written again: one value per step.
+    steps = [step for step, _ in loop.history["train/loss"]]
+    assert steps == list(range(1, 61))
+    assert finite([value for _, value in loop.history["train/loss"]])
+
+
+def test_a_lasting_fault_stops_after_max_rollbacks(tmp_path):
+    loop = make_loop(tmp_path)
+    guard = hooks.nan_guard(loop, max_skips=3, max_rollbacks=2)
+    with pytest.raises(loopax.NonFiniteLossError, match=r"after 2 rollback\(s\) \(max_rollbacks=2\)"):
+        loop.run_steps(PoisonedDataset(bad=From(20)), 200)
+    assert guard.rollbacks == 2 and guard.rolled_back_to == [20, 20]
+    assert loop.trainer.learning_rate == pytest.approx(0.0025)
+    checkpointer = loop.shared_data["checkpointers"][0]
+    checkpointer.wait()
+    # Every checkpoint kept holds finite values: the skipped steps never changed the state.
+    for step in checkpointer.all_steps():
+        checkpointer.restore(step)
+        assert finite(loop.trainer.state_dict())
+
+
+def test_without_rollback_it_stops_after_max_skips(tmp_path):
+    loop = make_loop(tmp_path, checkpoint=False)
+    hooks.nan_guard(loop, max_skips=3, rollback=False)
+    with pytest.raises(loopax.NonFiniteLossError, match=r"not finite for \d steps in a row "
+                                                        r"\(steps 10 to 1\d\).*rollback=False") as error:
+        loop.run_steps(PoisonedDataset(bad={10, 11, 12, 13, 14}), 60)
+    assert error.value.step == 10
+
+
+def test_rollback_needs_a_checkpoint_hook(tmp_path):
+    loop = make_loop(tmp_path, checkpoint=False)
+    hooks.nan_guard(loop)
+    with pytest.raises(loopax.HookError, match="no hooks.checkpoint is attached"):
+        loop.run_steps(PoisonedDataset(), 5)
+
+
+def test_the_learning_rate_must_be_changeable_for_lr_factor(tmp_path):
+    loop = make_loop(tmp_path, optimizer=optax.sgd(0.01))
+    with pytest.raises(ValueError, match="keeps no learning rate in its state.*inject_hyperparams"):
+        hooks.nan_guard(loop)
+    hooks.nan_guard(loop, lr_factor=1.0)  # keeping the rate needs no injectable one
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"max_skips": 0}, "max_skips must be a positive int"),
+    ({"max_rollbacks": -1}, "max_rollbacks must be a positive int"),
+    ({"lr_factor": 2.0}, r"lr_factor must be a number in \(0, 1\]"),
+    ({"lr_factor": 0}, r"lr_factor must be a number in \(0, 1\]"),
+])
+def test_bad_arguments_raise_at_registration(tmp_path, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        hooks.nan_guard(make_loop(tmp_path, checkpoint=False), **arguments)
+
+
+def test_the_rollback_count_survives_a_resume(tmp_path):
+    loop = make_loop(tmp_path)
+    hooks.nan_guard(loop, max_skips=3, max_rollbacks=3)
+    loop.run_steps(PoisonedDataset(bad={20, 21, 22, 23}), 40)
+    resumed = make_loop(tmp_path)  # a new process: the checkpoint of step 40 comes back
+    guard = hooks.nan_guard(resumed, max_skips=3, max_rollbacks=3)
+    assert resumed.trainer.global_step == 40 and guard.rollbacks == 1
