@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._points import PointsFile, format_from_path, points_of
+from ._triggers import EveryNEpochs
 from ._writers import MetricWriter, write_metrics
 
 
@@ -42,6 +43,7 @@ def metrics_log(
     path: str | os.PathLike,
     *,
     every_n_steps: int = 100,
+    every_n_epochs: int | None = None,
     format: str | None = None,  # noqa: A002 - the natural name, as in matplotlib's savefig
     call_on_end: bool = True,
     priority: int = Priority.LOG,
@@ -62,6 +64,8 @@ def metrics_log(
       path: the file; its directory is created. A `.csv` suffix selects CSV, anything else
         JSON lines, unless `format` says.
       every_n_steps: write the train metrics after step k iff `(k + 1) % every_n_steps == 0`.
+      every_n_epochs: instead, write them at the end of every n-th epoch of `run_epochs` (as
+        Keras's CSVLogger does each epoch).
       format: `"csv"`, `"jsonl"`, or None to pick from the suffix.
       call_on_end: also write the last step's train metrics at the end of each run.
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).
@@ -75,7 +79,8 @@ def metrics_log(
     path = os.fspath(path)
     log = MetricsLog(path, format_from_path(path, format), loop.trainer)
     write_metrics(
-        loop, log, every_n_steps=every_n_steps, call_on_end=call_on_end,
-        name=f"metrics_log({log.path})", priority=priority,
+        loop, log, every_n_steps=every_n_steps,
+        when=None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
+        call_on_end=call_on_end, name=f"metrics_log({log.path})", priority=priority,
     )
     return log

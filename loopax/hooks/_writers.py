@@ -149,7 +149,8 @@ def write_metrics(
       writer: the output.
       every_n_steps: write the train metrics after step k iff `(k + 1) % every_n_steps ==
         0`; ignored when `when` is given.
-      when: a schedule for the train metrics, e.g. `hooks.Exponential(10, 1.2)`.
+      when: a schedule for the train metrics, e.g. `hooks.Exponential(10, 1.2)`, or
+        `hooks.EveryNEpochs(1)` for the epoch ends of `run_epochs`.
       call_on_end: also write the last step's train metrics at the end of each run.
       learning_rate: also write the optimizer's live learning rate.
       name: the hooks' name (default: the writer's class name).
@@ -176,7 +177,10 @@ def write_metrics(
         return hooks
     name = name or type(writer).__name__
     loop.on_start(name, hooks.on_start, priority)
-    loop.on_step(name, hooks.log, priority, when=when, check_finite=False)
+    if when.at_epoch_end:
+        loop.on_epoch_end(name, hooks.log, priority, when=when, check_finite=False)
+    else:
+        loop.on_step(name, hooks.log, priority, when=when, check_finite=False)
     loop.on_evaluation(name, hooks.on_evaluation, priority)
     loop.on_restore(name, hooks.on_restore, priority)
     loop.on_flush(name, hooks.on_flush, priority)
