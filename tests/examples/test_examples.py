@@ -60,3 +60,17 @@ def test_custom_setup_compiles_once_per_spec(tmp_path):
     assert len(compiled) == 2, result.stdout
     assert "'short': 19 cache hits" in result.stdout
     assert "'long': 19 cache hits" in result.stdout
+
+
+def test_keras_style_trains_with_validation_checkpoints_log_and_early_stopping(tmp_path):
+    pytest.importorskip("sklearn")
+    result = _run([str(EXAMPLES / "keras_style.py"), "--epochs", "4", "--dir", str(tmp_path)],
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("stopped after epoch 4; val accuracy: 0.9"), result.stdout[-2000:]
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0] == "metric,short,type,step,value"
+    val_steps = sorted({int(row.split(",")[3]) for row in rows[1:] if row.startswith("eval/val/")})
+    assert len(val_steps) == 4  # one validation per epoch
+    assert len(list((tmp_path / "checkpoints").glob("[0-9]*"))) >= 1
