@@ -32,6 +32,9 @@ class HookRegistry:
 
     # Provided by `Loop` and its metrics part.
     loop_step: int
+    start_step: int
+    end_step: int
+    history: Any
     _running: bool
     _rewound: bool
     check_finite: Callable[[], None]
@@ -46,6 +49,7 @@ class HookRegistry:
         self._states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
         self._after_hooks: list[Callable[[], None]] = []
+        self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
 
     # -- hook registration ----------------------------------------------------------------
 
@@ -206,11 +210,14 @@ class HookRegistry:
         return unique
 
     def get_state(self) -> dict[str, Any]:
-        """The loop's resumable state (JSON-serializable): the history and every state
-        registered with `add_state` (trigger schedules, early stopping, ...)."""
+        """The loop's resumable state (JSON-serializable): the history, every state
+        registered with `add_state` (trigger schedules, early stopping, ...), and the run in
+        progress (so that resuming it continues its train metrics' averages)."""
         return {
             "history": self.history.get_state(),
             "hooks": {name: obj.get_state() for name, obj in self._states.items()},
+            "run": {"start_step": self.start_step, "end_step": self.end_step}
+            if self._running else None,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -218,6 +225,7 @@ class HookRegistry:
         their registration."""
         if "history" in state:
             self.history.set_state(state["history"])
+        self._resumed_run = state.get("run")
         for name, hook_state in state.get("hooks", {}).items():
             if name in self._states:
                 self._states[name].set_state(hook_state)
@@ -294,7 +302,17 @@ class HookRegistry:
             for hook in self._every_step:
                 if self._rewound:
                     return
-                self._visit(hook, metrics, step)
+                if hook.schedule is None and not hook.check_finite:
+                    # The common every-step hook (a progress bar), without `_visit`/`_call`:
+                    # on a small model each call shows in the step rate.
+                    try:
+                        hook.fn(self, metrics)
+                    except NonFiniteLossError:
+                        raise
+                    except Exception as err:
+                        raise HookError(hook.phase, hook.name, step, err) from err
+                else:
+                    self._visit(hook, metrics, step)
 
     def _run_after_hooks(self) -> None:
         # What runs after the hooks (a checkpoint commit, a final flush) sees every log.

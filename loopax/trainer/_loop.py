@@ -247,7 +247,17 @@ class Loop(MetricsAccess):
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
-        self.trainer.reset_train_metrics()
+        # A run that goes on with a restored checkpoint's run (the same end, a step inside
+        # it) keeps the train metrics' averages the checkpoint holds, as the uninterrupted
+        # run did; any other run starts them afresh.
+        resumed, self._resumed_run = self._resumed_run, None
+        continuing = (
+            resumed is not None
+            and 0 <= resumed["start_step"] <= self.trainer.global_step < end_step
+            and resumed["end_step"] == end_step
+        )
+        if not continuing:
+            self.trainer.reset_train_metrics()
         self.run_index += 1
         self.loop_step = self.trainer.global_step
         self.start_step = self.loop_step
@@ -264,6 +274,8 @@ class Loop(MetricsAccess):
         self.loop_step = self.start_step = self.trainer.global_step
         self._metrics_step = self.loop_step - 1
         self._finite.start_run(self.trainer, self.loop_step)
+        if continuing:
+            self._finite.restart(self.trainer, self.loop_step)  # the restored skip count
         for hook in self._scheduled():
             hook.schedule.start_run(self)
         self._reschedule()

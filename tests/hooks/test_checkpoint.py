@@ -494,12 +494,14 @@ def test_a_new_hook_on_the_same_directory_waits_for_the_saves_in_flight(trainer,
     second = threading.Thread(target=lambda: attached.append(hooks.checkpoint(
         loopax.Loop(make_trainer()), tmp_path)))
     second.start()
-    # The second hook waits for the first one's save (the timeout only keeps a regression
-    # from hanging the suite)...
-    assert entered.wait(timeout=60), "the new hook did not wait for the save in flight"
-    assert not (tmp_path / "2").exists()
-    release.set()  # ...which then commits, instead of being cleaned away as a leftover
-    second.join()
+    try:
+        # The second hook waits for the first one's save (the timeout only keeps a
+        # regression from hanging the suite)...
+        assert entered.wait(timeout=60), "the new hook did not wait for the save in flight"
+        assert not (tmp_path / "2").exists()
+    finally:
+        release.set()  # ...which then commits, instead of being cleaned away as a leftover
+        second.join()
     assert attached[0].restored_step == 2 and attached[0].all_steps() == [2]
 
 
@@ -534,3 +536,29 @@ def test_best_step_needs_a_best_metric(trainer, tmp_path):
     checkpointer = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
     with pytest.raises(ValueError, match="best_step\\(\\) needs the hook attached with best_metric"):
         checkpointer.best_step()
+
+
+def test_a_resumed_run_continues_its_train_metrics_and_a_new_run_starts_them_afresh(
+        trainer, compiled_trainer, tmp_path):
+    initial = compiled_trainer[1]
+    uninterrupted = float(loopax.Loop(trainer).run_to_step(make_dataset(), 8)["moving_average_loss"])
+
+    def resume(target):
+        trainer.state = jax.tree.map(np.array, initial)  # as a new process
+        loop = loopax.Loop(trainer)
+        hooks.checkpoint(loop, tmp_path, restore=True)
+        losses = []
+        loop.on_step("record", lambda lp, m: losses.append(float(m["loss"])))
+        return float(loop.run_to_step(make_dataset(), target)["moving_average_loss"]), losses
+
+    trainer.state = jax.tree.map(np.array, initial)
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, tmp_path)
+    loop.on_step("interrupt", lambda lp, m: lp.loop_step == 4 and lp.request_stop("test"))
+    loop.run_to_step(make_dataset(), 8)  # stopped at 5, saved there, in the run to 8
+    # The same run, resumed: its moving average goes on from the checkpoint's.
+    assert resume(8)[0] == uninterrupted
+    # A run to another target is a new run: its average starts afresh, over its own steps
+    # (an exact running mean for the first 100 steps).
+    average, losses = resume(12)  # from the end save of step 8
+    assert len(losses) == 4 and average == pytest.approx(np.mean(losses), rel=1e-6)
