@@ -9,6 +9,7 @@ from typing import Any, Callable, TextIO
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._metric_info import is_writer_process, train_metric_infos
+from ._triggers import ClockSchedule
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
 _NO_BAR_FORMAT = "{percentage:3.0f}% {status}"
@@ -122,7 +123,6 @@ class ProgressBar:
         self.bar: Any = None
         self._bar_class = _bar_class(notebook)
         self._infos = train_metric_infos(trainer)
-        self._last_refresh = float("-inf")
         self._refreshed_step = 0
         self._end_step = -1
 
@@ -150,7 +150,6 @@ class ProgressBar:
             mininterval=0,
             bar_format=_KNOWN_TOTAL_FORMAT if known else _UNKNOWN_TOTAL_FORMAT,
         )
-        self._last_refresh = float("-inf")
         self._refreshed_step = loop.start_step
 
     def status(self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None) -> str:
@@ -203,12 +202,11 @@ class ProgressBar:
             bar.refresh()
 
     def __call__(self, loop: Loop, metrics: Any) -> None:
-        """The OnStep hook: refreshes the bar every `refresh_seconds` (one clock reading on
-        the other steps)."""
-        now = self.clock()
-        if now - self._last_refresh < self.refresh_seconds or self.bar is None:
+        """The OnStep hook, on the steps its `ClockSchedule` picks (every `refresh_seconds`):
+        refreshes the bar."""
+        if self.bar is None:
             return
-        self._last_refresh = now
+        now = self.clock()
         steps_done = loop.loop_step + 1
         self.throughput.step_done(now, steps_done - self._refreshed_step)
         self._refreshed_step = steps_done
@@ -281,6 +279,7 @@ def progress_bar(
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
-        loop.on_step("progress_bar", progress, priority=priority, check_finite=False)
+        loop.on_step("progress_bar", progress, priority=priority, check_finite=False,
+                     when=ClockSchedule(progress.refresh_seconds, clock, fire_first=True))
         loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
     return progress

@@ -173,41 +173,80 @@ class Exponential(Schedule):
         return f"exponential_callback({self.start_step}, {self.factor:g})"
 
 
-class Periodic(Schedule):
+class ClockSchedule(Schedule):
+    """Fires when `period_seconds` of `clock` passed since it last fired (or at its first
+    step with `fire_first`), reading the clock only every so often.
+
+    A clock reading on every step would cost every step; instead it measures how fast its
+    clock runs per step and asks again after half the steps it predicts are left (at most
+    `MAX_AHEAD`), so a period of a second costs a handful of readings, and it fires at most
+    `MAX_AHEAD` steps late if the steps suddenly slow down. `last` is read after the callback
+    returned, so slow callbacks and paused time are not caught up.
+    """
+
+    MAX_AHEAD = 32
+
+    def __init__(self, period_seconds: float, clock: Callable[[], float], fire_first: bool):
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.period_seconds = float(period_seconds)
+        self.clock = clock
+        self.fire_first = fire_first
+        self.last: float | None = None  # when it last fired (or started)
+        self._read: tuple[int, float] | None = None  # the last (step, clock reading)
+        self._per_step: float | None = None  # clock seconds per step, from the readings
+
+    def start_run(self, loop: Loop) -> None:
+        self.last = None
+        self.restart(loop)
+
+    def restart(self, loop: Loop) -> None:
+        self._read, self._per_step = None, None  # the steps jumped: measure again
+
+    def _now(self, loop: Loop) -> float:
+        now = self.clock()
+        step = loop.loop_step
+        if self._read is not None and step > self._read[0]:
+            self._per_step = (now - self._read[1]) / (step - self._read[0])
+        self._read = (step, now)
+        return now
+
+    def should_fire(self, loop: Loop) -> bool:
+        now = self._now(loop)
+        if self.last is not None:
+            return now - self.last >= self.period_seconds
+        self.last = now  # the run's first step
+        return self.fire_first
+
+    def fired(self, loop: Loop) -> None:
+        self.last = self._now(loop)  # also the newest reading, for the prediction
+
+    def next_step(self, loop: Loop, step: int) -> int:
+        if self.last is None or self._read is None or not self._per_step:
+            return step
+        read_step, read_time = self._read
+        left = self.last + self.period_seconds - read_time
+        ahead = int(left / self._per_step / 2) if self._per_step > 0 else 0
+        return max(step, read_step + max(1, min(ahead, self.MAX_AHEAD)))
+
+
+class Periodic(ClockSchedule):
     """Fires at most once every `period_seconds` of `clock`.
 
     The first step of each run only starts the clock (it usually includes compilation);
     after that it fires when `clock() - last >= period_seconds`, where `last` is read after
     the previous callback returned, so slow callbacks and paused time are not caught up.
-    Nothing survives a restart: a clock's readings mean nothing in another process.
+    The clock is read only every few steps (see `ClockSchedule`). Nothing survives a
+    restart: a clock's readings mean nothing in another process.
 
     Raises:
       ValueError: `period_seconds` is not a finite number > 0.
       TypeError: `clock` is not callable.
     """
 
-    checks_every_step = True
-
     def __init__(self, period_seconds: float, clock: Callable[[], float] = time.monotonic):
         self.rule = PeriodicRule(period_seconds)
-        self.period_seconds = self.rule.period_seconds
-        if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-        self.clock = clock
-        self._started = False
-
-    def start_run(self, loop: Loop) -> None:
-        self._started = False
-
-    def should_fire(self, loop: Loop) -> bool:
-        if self._started:
-            return self.rule.should_fire(self.clock())
-        self._started = True
-        self.rule.start(self.clock())
-        return False
-
-    def fired(self, loop: Loop) -> None:
-        self.rule.fired(self.clock())
+        super().__init__(self.rule.period_seconds, clock, fire_first=False)
 
     def __repr__(self) -> str:
         return f"periodic_callback({self.period_seconds:g}s)"

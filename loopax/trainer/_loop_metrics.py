@@ -43,8 +43,7 @@ class MetricsAccess(HookRegistry):
         """The latest step's metrics as Python floats, read from the device at most once
         per step however many hooks ask (it waits for that step)."""
         if self._host_metrics_step != self._metrics_step:
-            values = jax.device_get(self.metrics)
-            self._host_metrics = {key: float(np.asarray(value)) for key, value in values.items()}
+            self._host_metrics = {key: float(np.asarray(v)) for key, v in self.metrics.items()}
             self._host_metrics_step = self._metrics_step
         return dict(self._host_metrics)
 
@@ -89,8 +88,9 @@ class MetricsAccess(HookRegistry):
         if not ready:
             return
         entries, self._pending_logs = pending[:ready], pending[ready:]
-        values = jax.device_get([(metrics, extra) for _, metrics, extra, _ in entries])
-        for (step, _, _, callbacks), (metrics, extra) in zip(entries, values):
+        for step, metrics, extra, callbacks in entries:
+            # Those steps are done: reading each scalar is a copy, ~1 µs (jax.device_get of
+            # the same dict costs tens of µs in tree handling).
             keyed = {train_key(name): float(np.asarray(v)) for name, v in metrics.items()}
             extra = {key: float(np.asarray(v)) for key, v in extra.items()}
             self.history.record(step + 1, {**keyed, **extra})

@@ -172,17 +172,27 @@ def test_hooks_read_the_device_only_on_the_steps_they_fire(tmp_path, monkeypatch
     hooks.evaluate(loop, make_data("test", 1), every_n_steps=7, call_on_end=False)
     reads = []
     device_get = jax.device_get
+    to_numpy = np.asarray
 
-    def counting_device_get(tree):
+    def record():
         # The TensorBoard writer thread reads whenever it likes: the loop never waits for it.
         if threading.current_thread() is threading.main_thread():
             reads.append(loop.loop_step)
+
+    def counting_device_get(tree):
+        record()
         return device_get(tree)
 
+    def counting_to_numpy(array, *args, **kwargs):
+        if isinstance(array, jax.Array):
+            record()
+        return to_numpy(array, *args, **kwargs)
+
     monkeypatch.setattr(jax, "device_get", counting_device_get)
+    monkeypatch.setattr(np, "asarray", counting_to_numpy)
     loop.run_steps(make_data(loop_forever=True), 12)
     # Step 0: the progress bar's first refresh; step 6: the evaluation every 7 steps; then the
-    # end of the run (loop_step is 12 by then), where the loop waits for its steps and hands
-    # the writers the train metrics they asked for at steps 6 and 7. No other step reads
-    # anything: the writers never make the loop wait.
+    # end of the run (loop_step is 12 by then), where the loop waits for its steps, checks
+    # their losses and hands the writers the train metrics they asked for at steps 6 and 7.
+    # No other step reads anything: the writers never make the loop wait.
     assert sorted(set(reads)) == [0, 6, 12]
