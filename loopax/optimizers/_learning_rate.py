@@ -144,3 +144,13 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         )
 
     return jax.tree_util.tree_map(replace, opt_state, is_leaf=_has_hyperparams)
+
+
+def constant_learning_rate(opt_state: Any) -> float | None:
+    """The learning rate `get_learning_rate` finds, as a float, when no schedule drives it
+    (it then changes only through `set_learning_rate`); None otherwise or when there is none.
+    Reads the (host) value: call it on a host copy of the state."""
+    states = _injected_states(opt_state)
+    if not states or _is_scheduled(states[0]):
+        return None
+    return float(np.asarray(states[0].hyperparams[_LEARNING_RATE]).reshape(-1)[0])

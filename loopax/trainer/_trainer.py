@@ -13,7 +13,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
+from ..optimizers._learning_rate import (
+    constant_learning_rate,
+    get_learning_rate,
+    set_learning_rate,
+)
 from . import _steps
 from ._batches import signature, spec_key, split_uneven_batch, validate_batch
 from ._evaluation import EvalSteps
@@ -157,6 +161,7 @@ class Trainer(EvalSteps):
         # are checked against it when the first batch shows their shapes.
         self._unverified_source: str | None = None
         self._learning_rate_leaf: int | None = None
+        self._constant_learning_rate: float | None = None
 
     # -- public attributes ----------------------------------------------------------------
 
@@ -194,11 +199,15 @@ class Trainer(EvalSteps):
         if self._rng is not None and not np.array_equal(rng, np.asarray(self._rng)):
             self._cache.clear()  # the steps were compiled with the old key
         self._rng = jnp.asarray(rng)
+        host = jax.device_get(state.replace(rng=None))
         self._learning_rate_leaf: int | None = None  # found again in the new state
+        # Without a schedule the rate changes only here (set_learning_rate adopts a state):
+        # a log of it then needs no device copy.
+        self._constant_learning_rate = constant_learning_rate(host.opt_state)
         # The key never changes during training, so the compiled steps hold it as a
         # constant instead of passing it in and out: each state leaf costs the runtime a
         # few microseconds per step.
-        self._state = self._place_state(jax.device_get(state.replace(rng=None)))
+        self._state = self._place_state(host)
         self._global_step = int(np.asarray(jax.device_get(state.step)))
 
     @property
@@ -286,11 +295,14 @@ class Trainer(EvalSteps):
         rate = self.learning_rate_array()
         return None if rate is None else float(np.asarray(jax.device_get(rate)))
 
-    def learning_rate_array(self) -> jax.Array | None:
-        """A device copy of the live learning rate, without waiting for the device (the
-        state's own buffers are reused by the next step), or None as `learning_rate`."""
+    def learning_rate_array(self) -> Any:
+        """The live learning rate, without waiting for the device: the host value when no
+        schedule drives it, else a device copy (the state's own buffers are reused by the
+        next step); None as `learning_rate`."""
         if self._state is None:
             return None
+        if self._constant_learning_rate is not None:
+            return np.float32(self._constant_learning_rate)
         leaves = jax.tree.leaves(self._state.opt_state)
         if self._learning_rate_leaf is None:
             rate = get_learning_rate(self._state.opt_state)
