@@ -13,9 +13,9 @@ from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
 from ._metrics_log import MetricsLog as MetricsLog
+from ._metrics_log import metrics_log as metrics_log
 from ._nan_guard import NanGuard as NanGuard
 from ._nan_guard import nan_guard as nan_guard
-from ._metrics_log import metrics_log as metrics_log
 from ._plateau import ReduceLROnPlateau as ReduceLROnPlateau
 from ._plateau import reduce_lr_on_plateau as reduce_lr_on_plateau
 from ._plot import Plotter as Plotter

@@ -69,9 +69,6 @@ class EarlyStopping(MetricMonitor):
                              f"{restore_best!r}")
         self.restore_best = restore_best
         self.trainer = loop.trainer
-        self.best: float | None = None
-        self.best_step: int | None = None
-        self.wait = 0
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
         self.restored_step: int | None = None
@@ -195,9 +192,6 @@ class EarlyStopping(MetricMonitor):
         """The counters a checkpoint saves (JSON): best, best step, wait, stop."""
         return {
             **super().get_state(),
-            "best": self.best,
-            "best_step": self.best_step,
-            "wait": self.wait,
             "stopped_step": self.stopped_step,
             "stop_reason": self.stop_reason,
         }
@@ -205,10 +199,6 @@ class EarlyStopping(MetricMonitor):
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`."""
         super().set_state(state)
-        best = state.get("best")
-        self.best = None if best is None else float(best)
-        self.best_step = state.get("best_step")
-        self.wait = int(state.get("wait", 0))
         self.stopped_step = state.get("stopped_step")
         self.stop_reason = state.get("stop_reason")
 

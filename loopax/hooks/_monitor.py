@@ -93,6 +93,9 @@ class MetricMonitor(abc.ABC):
       dataset: the evaluated dataset's name, or None for a train metric.
       checks: how many values were checked so far (across resumes).
       last_step: the global step of the last value checked, or None.
+      best: the best value so far, or None.
+      best_step: the global step of `best`, or None.
+      wait: checks without an improvement (each hook says since what).
     """
 
     def __init__(self, loop: Loop, hook: str, monitor: Any, mode: Any, min_delta: float):
@@ -105,6 +108,9 @@ class MetricMonitor(abc.ABC):
         self.name = f"{hook}({monitor})"
         self.checks = 0
         self.last_step: int | None = None
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0
         self._warned_unchecked = False
 
     def _watch(self, loop: Loop, priority: int) -> None:
@@ -172,9 +178,14 @@ class MetricMonitor(abc.ABC):
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON)."""
-        return {"checks": self.checks, "last_step": self.last_step}
+        return {"checks": self.checks, "last_step": self.last_step, "best": self.best,
+                "best_step": self.best_step, "wait": self.wait}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`."""
         self.checks = int(state.get("checks", 0))
         self.last_step = state.get("last_step")
+        best = state.get("best")
+        self.best = None if best is None else float(best)
+        self.best_step = state.get("best_step")
+        self.wait = int(state.get("wait", 0))

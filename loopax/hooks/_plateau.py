@@ -65,9 +65,6 @@ class ReduceLROnPlateau(MetricMonitor):
         self.cooldown = check_count(_HOOK, "cooldown", cooldown)
         self.min_lr = check_number(_HOOK, "min_lr", min_lr)
         self.trainer = loop.trainer
-        self.best: float | None = None
-        self.best_step: int | None = None
-        self.wait = 0
         self.cooldown_counter = 0
         self.reductions: list[tuple[int, float]] = []
         require_adjustable_learning_rate(
@@ -116,9 +113,6 @@ class ReduceLROnPlateau(MetricMonitor):
         """The counters a checkpoint saves (JSON); the rate itself is in the optimizer state."""
         return {
             **super().get_state(),
-            "best": self.best,
-            "best_step": self.best_step,
-            "wait": self.wait,
             "cooldown_counter": self.cooldown_counter,
             "reductions": [[step, rate] for step, rate in self.reductions],
         }
@@ -126,10 +120,6 @@ class ReduceLROnPlateau(MetricMonitor):
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`."""
         super().set_state(state)
-        best = state.get("best")
-        self.best = None if best is None else float(best)
-        self.best_step = state.get("best_step")
-        self.wait = int(state.get("wait", 0))
         self.cooldown_counter = int(state.get("cooldown_counter", 0))
         self.reductions = [(int(step), float(rate)) for step, rate in state.get("reductions", [])]
 

@@ -10,16 +10,15 @@ import math
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import loopax
 from loopax import hooks
 from loopax.hooks import _early_stopping
+from monitor_helpers import ScriptedEpochs, ScriptedEval, scripted_loss, train_data
 
 ONE_DEVICE = jax.devices()[:1]
-BATCH_SIZE = 8
 MONITOR = "eval/test/mean_loss"
 
 
@@ -27,12 +26,6 @@ def model_fn(ctx, spec, inputs):
     hidden = nn.Dense(4)(inputs[0])
     hidden = nn.BatchNorm(use_running_average=not ctx.training, momentum=0.5)(hidden)
     return nn.Dense(1)(hidden)
-
-
-def scripted_loss(labels, predictions):
-    """Its value is the mean of labels[1]; its gradient is the squared error's."""
-    error = jnp.mean((labels[0] - predictions[0]) ** 2)
-    return error - jax.lax.stop_gradient(error) + jnp.mean(labels[1])
 
 
 def scripted_metric(name, metric_type):
@@ -45,65 +38,6 @@ def new_trainer():
         model_fn, scripted_loss, loopax.optimizers.sgd(0.1),
         eval_metrics=[scripted_metric("Score", "accuracy"), scripted_metric("Spread", "")],
         devices=ONE_DEVICE,
-    )
-
-
-def batch(rng_seed, value):
-    rng = np.random.default_rng(rng_seed)
-    inputs = rng.normal(size=(BATCH_SIZE, 3)).astype(np.float32)
-    targets = inputs.sum(1, keepdims=True)
-    return None, [inputs], [targets, np.full((BATCH_SIZE,), value, np.float32)]
-
-
-class ScriptedEval:
-    """An eval dataset of one batch whose n-th evaluation reports `values[n]` (the last
-    value again after the end): `trainer.evaluate` resets it once per evaluation."""
-
-    def __init__(self, values, name="test"):
-        self.name = name
-        self.values = list(values)
-        self.evaluations = -1
-        self._done = True
-
-    def reset(self):
-        self.evaluations += 1
-        self._done = False
-
-    def yield_batch(self):
-        if self._done:
-            raise StopIteration
-        self._done = True
-        return batch(99, self.values[min(self.evaluations, len(self.values) - 1)])
-
-
-class ScriptedEpochs:
-    """A train dataset whose train loss is `values[epoch]` (2 batches an epoch)."""
-
-    name = "train"
-
-    def __init__(self, values, batches=2):
-        self.values = list(values)
-        self.batches = batches
-        self.epoch = 0
-        self._yielded = 0
-
-    def reset(self):
-        self.epoch += 1
-        self._yielded = 0
-
-    def yield_batch(self):
-        if self._yielded == self.batches:
-            raise StopIteration
-        self._yielded += 1
-        return batch(self._yielded, self.values[min(self.epoch, len(self.values) - 1)])
-
-
-def train_data():
-    rng = np.random.default_rng(0)
-    inputs = rng.normal(size=(4 * BATCH_SIZE, 3)).astype(np.float32)
-    return loopax.ArrayDataset(
-        inputs, [inputs.sum(1, keepdims=True), np.zeros((4 * BATCH_SIZE,), np.float32)],
-        BATCH_SIZE, shuffle=False, loop_forever=True,
     )
 
 

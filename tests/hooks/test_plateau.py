@@ -10,7 +10,6 @@ import math
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,9 +18,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import loopax
 from loopax import hooks
 from loopax.hooks import _plateau
+from monitor_helpers import ScriptedEpochs, ScriptedEval, scripted_loss, train_data
 
 ONE_DEVICE = jax.devices()[:1]
-BATCH_SIZE = 8
 MONITOR = "eval/test/mean_loss"
 RATE = 0.1
 
@@ -30,74 +29,11 @@ def model_fn(ctx, spec, inputs):
     return nn.Dense(1)(nn.Dense(4)(inputs[0]))
 
 
-def scripted_loss(labels, predictions):
-    """Its value is the mean of labels[1]; its gradient is the squared error's."""
-    error = jnp.mean((labels[0] - predictions[0]) ** 2)
-    return error - jax.lax.stop_gradient(error) + jnp.mean(labels[1])
-
-
 def new_trainer(optimizer=None):
     return loopax.Trainer(
         model_fn, scripted_loss, loopax.optimizers.sgd(RATE) if optimizer is None else optimizer,
         eval_metrics=[loopax.metrics.Mean("Spread", lambda labels, predictions: labels[1])],
         devices=ONE_DEVICE,
-    )
-
-
-def batch(seed, value):
-    rng = np.random.default_rng(seed)
-    inputs = rng.normal(size=(BATCH_SIZE, 3)).astype(np.float32)
-    return None, [inputs], [inputs.sum(1, keepdims=True), np.full((BATCH_SIZE,), value, np.float32)]
-
-
-class ScriptedEval:
-    """An eval dataset of one batch whose n-th evaluation reports `values[n]` (the last
-    value again after the end): `trainer.evaluate` resets it once per evaluation."""
-
-    def __init__(self, values, name="test"):
-        self.name = name
-        self.values = list(values)
-        self.evaluations = -1
-        self._done = True
-
-    def reset(self):
-        self.evaluations += 1
-        self._done = False
-
-    def yield_batch(self):
-        if self._done:
-            raise StopIteration
-        self._done = True
-        return batch(99, self.values[min(self.evaluations, len(self.values) - 1)])
-
-
-class ScriptedEpochs:
-    """A train dataset whose train loss is `values[epoch]` (2 batches an epoch)."""
-
-    name = "train"
-
-    def __init__(self, values):
-        self.values = list(values)
-        self.epoch = 0
-        self._yielded = 0
-
-    def reset(self):
-        self.epoch += 1
-        self._yielded = 0
-
-    def yield_batch(self):
-        if self._yielded == 2:
-            raise StopIteration
-        self._yielded += 1
-        return batch(self._yielded, self.values[min(self.epoch, len(self.values) - 1)])
-
-
-def train_data():
-    rng = np.random.default_rng(0)
-    inputs = rng.normal(size=(4 * BATCH_SIZE, 3)).astype(np.float32)
-    return loopax.ArrayDataset(
-        inputs, [inputs.sum(1, keepdims=True), np.zeros((4 * BATCH_SIZE,), np.float32)],
-        BATCH_SIZE, shuffle=False, loop_forever=True,
     )
 
 
