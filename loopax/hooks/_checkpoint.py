@@ -33,15 +33,21 @@ from ..trainer._state import first_non_finite
 from ._checkpoint_checks import check_best_metric as _check_best_metric
 from ._checkpoint_checks import check_count as _check_count
 from ._checkpoint_format import BUNDLE_ITEM as _BUNDLE_ITEM
-from ._checkpoint_format import FORMAT as _FORMAT
 from ._checkpoint_format import STATE_ITEM as _STATE_ITEM
-from ._checkpoint_format import VERSION as _VERSION
 from ._checkpoint_format import check_directory as _check_directory
 from ._checkpoint_format import incomplete_saves as _incomplete_saves
-from ._checkpoint_io import checksums, read, set_aside, set_aside_entries
+from ._checkpoint_format import make_bundle
+from ._checkpoint_io import (
+    checksums,
+    open_manager,
+    read,
+    read_metric_values,
+    read_newest_good,
+    set_aside_entries,
+)
 from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 from ._metric_info import split_eval_key
-from ._triggers import EveryNEpochs, EveryNSteps, Periodic
+from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
 
 _logger = logging.getLogger(__name__)
 
@@ -76,7 +82,6 @@ class Checkpointer:
         async_save: bool = True,
     ):
         import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
-        from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
         self._ocp = ocp
         self.loop = loop
@@ -114,31 +119,9 @@ class Checkpointer:
                 stacklevel=3,
             )
 
-        preserve = [policies.LatestN(self.keep)]
-        if best_metric is not None:
-            preserve.append(policies.BestN(
-                get_metric_fn=lambda metrics: metrics[self.best_metric],
-                reverse=best_mode == "min",  # BestN keeps the largest after sorting
-                n=self.keep_best,
-                keep_checkpoints_without_metrics=False,
-            ))
-        if self.keep_period is not None:
-            preserve.append(policies.EveryNSteps(interval_steps=self.keep_period))
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policies.AnyPreservationPolicy(preserve),
-            # Our writer thread makes the whole save, so Orbax itself saves synchronously.
-            enable_async_checkpointing=False,
-            # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
-            cleanup_tmp_directories=True,
-            create=True,
-        )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                _STATE_ITEM: ocp.StandardCheckpointHandler(),
-                _BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
-            },
+        self._manager = open_manager(
+            ocp, self.directory, keep=self.keep, best_metric=best_metric, best_mode=best_mode,
+            keep_best=self.keep_best, keep_period=self.keep_period,
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
@@ -176,16 +159,7 @@ class Checkpointer:
 
     def _read_best_values(self) -> dict[int, float]:
         if self._best_values is None:
-            self._best_values = {}
-            for step in self.all_steps():
-                try:
-                    bundle = self._manager.restore(step, args=self._ocp.args.Composite(
-                        **{_BUNDLE_ITEM: self._ocp.args.JsonRestore()}))[_BUNDLE_ITEM]
-                except Exception:  # noqa: BLE001 - an unreadable one is no candidate
-                    continue
-                value = (bundle.get("best_metric") or {}).get(self.best_metric)
-                if value is not None:
-                    self._best_values[step] = float(value)
+            self._best_values = read_metric_values(self._manager, self._ocp, self.best_metric)
         on_disk = set(self.all_steps())
         return {step: v for step, v in self._best_values.items() if step in on_disk}
 
@@ -275,26 +249,13 @@ class Checkpointer:
         step, state, datasets = pending
         flushed = self.loop.flush()
         best_value = self._best_value(step)
-        bundle = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "global_step": step,
-            "num_devices": self.trainer.num_devices,
-            "loop": self.loop.get_state(),
-            "datasets": datasets,
-            "best_metric": None if best_value is None else {self.best_metric: best_value},
-            "saved_at": time.time(),
-        }
-        try:
-            import json  # noqa: PLC0415
-
-            json.dumps(bundle)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"the checkpoint of step {step} must be JSON: a dataset's get_state() or a "
-                f"hook's get_state() returned something else ({err}); return ints, floats, "
-                "strings, lists and dicts"
-            ) from err
+        bundle = make_bundle(
+            step,
+            num_devices=self.trainer.num_devices,
+            loop_state=self.loop.get_state(),
+            datasets=datasets,
+            best_metric=None if best_value is None else {self.best_metric: best_value},
+        )
         self._writer.submit(self._write, step, state, bundle, best_value, flushed)
 
     def _write(
@@ -327,25 +288,6 @@ class Checkpointer:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def _read_newest_good(self) -> tuple[int, dict, dict] | None:
-        for step in sorted(self._manager.all_steps(), reverse=True):
-            try:
-                state, bundle = read(self._manager, self._ocp, step)
-            except Exception as err:  # any failure to read makes it unusable: fall back
-                moved = set_aside(self.directory, step)
-                kept = f"moved to {str(moved)!r}" if moved else "left in place"
-                warnings.warn(
-                    f"checkpoint {str(self.directory / str(step))!r} is damaged "
-                    f"({type(err).__name__}: {err}); falling back to the next newest. It was "
-                    f"not deleted: it was {kept}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self._manager.reload()
-                continue
-            return step, state, bundle
-        return None
-
     def restore(self, step: int | None = None) -> int | None:
         """Restores checkpoint `step` (default the newest good one) into the trainer.
 
@@ -367,7 +309,7 @@ class Checkpointer:
         """
         self.wait()
         if step is None:
-            found = self._read_newest_good()
+            found = read_newest_good(self._manager, self._ocp, self.directory)
             if found is None:
                 damaged = set_aside_entries(self.directory)
                 if damaged:

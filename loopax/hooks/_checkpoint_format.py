@@ -7,8 +7,11 @@ model, onto any device count, and is then matched name by name against the model
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 FORMAT = "loopax.checkpoint"
 VERSION = 1
@@ -51,3 +54,33 @@ def check_directory(directory: Path) -> None:
             "loopax checkpoint (loopax writes only <step>/state and <step>/loopax); pass a new "
             "or empty directory, or one written by loopax.hooks.checkpoint"
         )
+
+
+def make_bundle(
+    step: int, *, num_devices: int, loop_state: dict, datasets: dict, best_metric: dict | None
+) -> dict[str, Any]:
+    """The JSON description saved beside the arrays of checkpoint `step` (the writer adds
+    the arrays' checksums).
+
+    Raises:
+      TypeError: a dataset's or a hook's state is not JSON.
+    """
+    bundle = {
+        "format": FORMAT,
+        "version": VERSION,
+        "global_step": step,
+        "num_devices": num_devices,
+        "loop": loop_state,
+        "datasets": datasets,
+        "best_metric": best_metric,
+        "saved_at": time.time(),
+    }
+    try:
+        json.dumps(bundle)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"the checkpoint of step {step} must be JSON: a dataset's get_state() or a "
+            f"hook's get_state() returned something else ({err}); return ints, floats, "
+            "strings, lists and dicts"
+        ) from err
+    return bundle

@@ -9,6 +9,7 @@ every float array is finite. Anything else makes it damaged: it is moved to
 from __future__ import annotations
 
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,87 @@ def set_aside_entries(directory: Path) -> list[str]:
     """The names of the checkpoints in `<directory>/damaged/`."""
     damaged = directory / DAMAGED_DIR
     return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
+
+
+def read_newest_good(manager: Any, ocp: Any, directory: Path) -> tuple[int, dict, dict] | None:
+    """`(step, state, bundle)` of the newest good checkpoint, or None when none is.
+
+    Every newer damaged one is moved to `<directory>/damaged/` with a warning naming it and
+    why.
+    """
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            state, bundle = read(manager, ocp, step)
+        except Exception as err:  # any failure to read makes it unusable: fall back
+            moved = set_aside(directory, step)
+            kept = f"moved to {str(moved)!r}" if moved else "left in place"
+            warnings.warn(
+                f"checkpoint {str(directory / str(step))!r} is damaged "
+                f"({type(err).__name__}: {err}); falling back to the next newest. It was "
+                f"not deleted: it was {kept}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            manager.reload()
+            continue
+        return step, state, bundle
+    return None
+
+
+def read_metric_values(manager: Any, ocp: Any, metric: str) -> dict[int, float]:
+    """`{step: value}` of `metric` in the descriptions of the checkpoints on disk (the
+    unreadable ones and those without the value left out)."""
+    values = {}
+    for step in manager.all_steps():
+        try:
+            bundle = manager.restore(
+                step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
+            )[BUNDLE_ITEM]
+        except Exception:  # noqa: BLE001 - an unreadable one is no candidate
+            continue
+        value = (bundle.get("best_metric") or {}).get(metric)
+        if value is not None:
+            values[step] = float(value)
+    return values
+
+
+def open_manager(
+    ocp: Any,
+    directory: Path,
+    *,
+    keep: int | None,
+    best_metric: str | None,
+    best_mode: str,
+    keep_best: int,
+    keep_period: int | None,
+) -> Any:
+    """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention:
+    the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`."""
+    from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
+
+    preserve = [policies.LatestN(keep)]
+    if best_metric is not None:
+        preserve.append(policies.BestN(
+            get_metric_fn=lambda metrics: metrics[best_metric],
+            reverse=best_mode == "min",  # BestN keeps the largest after sorting
+            n=keep_best,
+            keep_checkpoints_without_metrics=False,
+        ))
+    if keep_period is not None:
+        preserve.append(policies.EveryNSteps(interval_steps=keep_period))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policies.AnyPreservationPolicy(preserve),
+        # The loopax writer thread makes the whole save, so Orbax itself saves synchronously.
+        enable_async_checkpointing=False,
+        # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
+        cleanup_tmp_directories=True,
+        create=True,
+    )
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
+        },
+    )

@@ -16,7 +16,8 @@ from ..trainer._history import Evaluation
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._metric_info import eval_metric_infos, is_writer_process
-from ._triggers import EveryNEpochs, EveryNSteps, NTimes, on_schedule
+from ._loop_schedules import EveryNEpochs, EveryNSteps, NTimes
+from ._triggers import on_schedule
 
 # `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule
 # (a plot then uses those evaluations instead of running its own).

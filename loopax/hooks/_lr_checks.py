@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
-from ._triggers import FirstNSteps
+from ._loop_schedules import FirstNSteps
 
 _FIX = (
     "Build the optimizer with loopax.optimizers (e.g. loopax.optimizers.adam(1e-3)) or wrap "

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._points import PointsFile, format_from_path, points_of
-from ._triggers import EveryNEpochs
+from ._loop_schedules import EveryNEpochs
 from ._writers import MetricWriter, write_metrics
 
 

@@ -18,7 +18,8 @@ from ..trainer._loop import Loop
 from ._evaluate import EVALUATED_DATASETS, check_datasets
 from ._metric_info import is_writer_process
 from ._points import Point, PointsFile, points_of
-from ._triggers import Exponential, on_schedule
+from ._loop_schedules import Exponential
+from ._triggers import on_schedule
 from ._writers import MetricWriter, write_metrics
 
 POINTS_FILE_NAME = "plot_points.jsonl"

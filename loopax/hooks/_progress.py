@@ -9,7 +9,7 @@ from typing import Any, Callable, TextIO
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._metric_info import is_writer_process, train_metric_infos
-from ._triggers import ClockSchedule
+from ._loop_schedules import ClockSchedule
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
 _NO_BAR_FORMAT = "{percentage:3.0f}% {status}"

@@ -24,7 +24,7 @@ import numpy as np
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._metric_info import is_writer_process
-from ._triggers import EveryNSteps, FirstNSteps
+from ._loop_schedules import EveryNSteps, FirstNSteps
 from ._writers import MetricWriter, Waiter, write_metrics
 
 RUN_SUMMARY_TAG = "run/summary"

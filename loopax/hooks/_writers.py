@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from ..trainer._hooks import Priority, Schedule
 from ..trainer._loop import Loop
 from ._metric_info import is_writer_process
-from ._triggers import EveryNSteps
+from ._loop_schedules import EveryNSteps
 
 Waiter = Callable[[], None]
 
