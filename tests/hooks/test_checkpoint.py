@@ -562,3 +562,30 @@ def test_a_resumed_run_continues_its_train_metrics_and_a_new_run_starts_them_afr
     # (an exact running mean for the first 100 steps).
     average, losses = resume(12)  # from the end save of step 8
     assert len(losses) == 4 and average == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+def test_a_run_that_raises_waits_for_its_save_in_flight(trainer, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    raised = threading.Event()
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize_after_the_error(self, *args, **kwargs):
+        raised.wait(timeout=60)  # the save of step 2 is still in flight when the run raises
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize_after_the_error)
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=2)
+
+    def fail(loop, metrics):
+        if loop.loop_step == 3:
+            raised.set()
+            raise RuntimeError("a bug in a hook")
+
+    loop.on_step("fail", fail)
+    with pytest.raises(loopax.HookError, match="a bug in a hook"):
+        loop.run_steps(make_dataset(), 10)
+    # When the error reaches the caller, the save issued before it is committed.
+    assert checkpointer.all_steps() == [2]
+    assert sorted(os.listdir(tmp_path)) == ["2"]
