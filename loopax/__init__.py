@@ -25,6 +25,8 @@ from .trainer import TrainState as TrainState
 from .trainer import Trainer as Trainer
 from .trainer import __all__ as _TRAINER_NAMES
 
+from ._params import load_params as load_params
+
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("hooks", "losses", "metrics", "optimizers")
@@ -38,4 +40,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'loopax' has no attribute {name!r}")
 
 
-__all__ = sorted([*_TRAINER_NAMES, *_SUBPACKAGES])
+__all__ = sorted([*_TRAINER_NAMES, *_SUBPACKAGES, "load_params"])

@@ -156,6 +156,7 @@ def open_manager(
     best_mode: str,
     keep_best: int,
     keep_period: int | None,
+    create: bool = True,
 ) -> Any:
     """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention:
     the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`."""
@@ -176,8 +177,9 @@ def open_manager(
         # The loopax writer thread makes the whole save, so Orbax itself saves synchronously.
         enable_async_checkpointing=False,
         # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
-        cleanup_tmp_directories=True,
-        create=True,
+        cleanup_tmp_directories=create,
+        create=create,
+        read_only=not create,
     )
     return ocp.CheckpointManager(
         directory,

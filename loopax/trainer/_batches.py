@@ -68,7 +68,12 @@ def validate_batch(
         )
     counts = (len(inputs), len(labels))
     known = input_counts.get(key_spec, counts)
-    if known != counts:
+    if graph == "predict" and known[0] != counts[0]:  # predictions take no labels
+        raise ValueError(
+            f"spec {spec!r} was first used with {known[0]} inputs, now predicting from "
+            f"{counts[0]}; give each arrangement its own spec"
+        )
+    if graph != "predict" and known != counts:
         raise ValueError(
             f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
             f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
@@ -92,7 +97,9 @@ def validate_batch(
             f"batch size that is a multiple of {local_devices} or pass devices=..."
         )
     # Recorded only for a valid batch, so a rejected first batch does not pin the spec.
-    input_counts[key_spec] = counts
+    # Predictions take no labels, so they do not pin the spec's label count.
+    if graph != "predict":
+        input_counts[key_spec] = counts
     return batch
 
 

@@ -73,26 +73,27 @@ class ModelModule(nn.Module):
             predictions = list(predictions)
         else:
             predictions = [predictions]
-        _check_predictions(self.model_fn, predictions)
+        check_predictions(self.model_fn, predictions)
         return predictions, ctx.total_added_loss()
 
 
-def _check_predictions(model_fn: Any, predictions: list[Any]) -> None:
-    name = getattr(model_fn, "__name__", type(model_fn).__name__)
+def check_predictions(model: Any, predictions: list[Any]) -> None:
+    """Raises TypeError unless `predictions` (what `model` returned, as a list) are arrays."""
+    name = getattr(model, "__name__", type(model).__name__)
     if not predictions:
         raise TypeError(
-            f"model function {name!r} returned an empty list; it must return its predictions: "
+            f"model {name!r} returned an empty list; it must return its predictions: "
             "an array or a list of arrays"
         )
     for position, prediction in enumerate(predictions):
         if prediction is None:
             where = "None" if len(predictions) == 1 else f"None as prediction {position}"
             raise TypeError(
-                f"model function {name!r} returned {where}; it must return its predictions "
+                f"model {name!r} returned {where}; it must return its predictions "
                 "(an array, or a list of arrays): is a `return` missing?"
             )
         if not (hasattr(prediction, "shape") and hasattr(prediction, "dtype")):
             raise TypeError(
-                f"model function {name!r} returned a {type(prediction).__name__} as prediction "
+                f"model {name!r} returned a {type(prediction).__name__} as prediction "
                 f"{position}; predictions must be arrays (e.g. the output of a Flax module)"
             )

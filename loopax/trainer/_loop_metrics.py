@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-import jax
 import numpy as np
 
 from ._datasets import Dataset, dataset_name

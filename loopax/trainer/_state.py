@@ -73,35 +73,32 @@ def _upgrade(path: tuple[str, ...], value: Any, leaf: Any) -> Any:
     return value
 
 
-def from_plain(template: Any, plain: dict, where: str) -> Any:
+_DIFFERENT_MODEL = "was it saved by another model or optimizer? Use a new directory for a different model"
+
+
+def from_plain(template: Any, plain: dict, where: str, hint: str = _DIFFERENT_MODEL) -> Any:
     """Fills `template`'s structure with the arrays of `plain`, checking names, shapes, dtypes.
 
     Raises:
-      ValueError: naming the first missing, extra or mismatched entry and both shapes.
+      ValueError: naming the first missing, extra or mismatched entry and both shapes,
+        then `hint`.
     """
     saved = dict(tree_paths(plain))
     leaves = []
     for path, leaf in tree_paths(template):
         name = "/".join(path)
         if path not in saved:
-            raise ValueError(
-                f"{where} has no {name!r}, which the model needs; was it saved by another model "
-                "or optimizer? Use a new directory for a different model"
-            )
+            raise ValueError(f"{where} has no {name!r}, which the model needs; {hint}")
         value = _upgrade(path, saved.pop(path), leaf)
         if tuple(np.shape(value)) != tuple(np.shape(leaf)) or np.dtype(value.dtype) != np.dtype(leaf.dtype):
             raise ValueError(
                 f"{where} holds {name!r} with shape {np.shape(value)} and dtype {value.dtype}, "
-                f"but the model has shape {np.shape(leaf)} and dtype {leaf.dtype}; use a new "
-                "directory for a different model"
+                f"but the model has shape {np.shape(leaf)} and dtype {leaf.dtype}; {hint}"
             )
         leaves.append(value)
     if saved:
         extra = sorted("/".join(path) for path in saved)
-        raise ValueError(
-            f"{where} holds {extra[:5]} that the model lacks; was it saved by another model "
-            "or optimizer? Use a new directory for a different model"
-        )
+        raise ValueError(f"{where} holds {extra[:5]} that the model lacks; {hint}")
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 

@@ -17,7 +17,6 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
-from ._context import ModelModule
 from ._state import TrainState
 
 AXIS = "devices"
@@ -115,7 +114,7 @@ class StepBuilder:
 
     def __init__(
         self,
-        module: ModelModule,
+        module: Any,  # a model adapter (see `_models`): init/apply like a Linen module
         loss_fn: LossFn | None,
         optimizer: optax.GradientTransformation,
         train_metrics: Sequence[Any],
@@ -267,6 +266,11 @@ class StepBuilder:
         )
         return new_state, values
 
+    def predict(self, spec, rng, state: TrainState, inputs):
+        """Per-device: the model's predictions (eval mode) for this device's shard."""
+        predictions, _, _ = self._apply(state, state.params, spec, rng, inputs, False)
+        return predictions
+
     def eval(self, spec, rng, state: TrainState, metric_states, inputs, labels):
         """Per-device: updates the running eval metrics with this device's shard."""
         partials = self._eval_partials(spec, rng, state, inputs, labels)
@@ -338,6 +342,7 @@ def make_parallel(
     num_replicated: int,
     num_sharded: int,
     donate: tuple[int, ...],
+    per_example_output: bool = False,
 ):
     """Wraps a per-device step body `(*state, *batch) -> (new_state, values)` as one
     data-parallel, jit-compiled step.
@@ -345,7 +350,9 @@ def make_parallel(
     The first `num_replicated` arguments are replicated (state); the next `num_sharded`
     are split on axis 0 across devices (the batch). With `parallel="shard_map"` state is
     a global replicated array; with `"pmap"` state carries a leading device axis, which
-    the new state keeps, while the replicated `values` come back without it.
+    the new state keeps, while the replicated `values` come back without it. With
+    `per_example_output` the body returns per-example values instead (predictions), which
+    come back as one global batch in order.
     """
     if parallel == "pmap":
         num_devices = device_count_of(mesh)
@@ -353,7 +360,7 @@ def make_parallel(
             body,
             axis_name=AXIS,
             devices=list(mesh.devices.flat),
-            out_axes=(0, None),
+            out_axes=0 if per_example_output else (0, None),
             donate_argnums=donate,
         )
 
@@ -365,14 +372,18 @@ def make_parallel(
                 lambda a: a.reshape((num_devices, a.shape[0] // num_devices, *a.shape[1:])),
                 batch,
             )
-            return pmapped(*state, *batch)
+            out = pmapped(*state, *batch)
+            if per_example_output:  # devices x per-device examples -> one batch
+                out = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), out)
+            return out
 
         return jax.jit(split_batch_then_pmap, donate_argnums=donate)
     in_specs = (P(),) * num_replicated + (P(AXIS),) * num_sharded
     # One device skips the collectives that mark values replicated, so skips the check.
     check_vma = device_count_of(mesh) > 1
+    out_specs = P(AXIS) if per_example_output else (P(), P())
     stepped = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=check_vma
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
     )
     shardings = tuple(NamedSharding(mesh, spec) for spec in in_specs)
     return jax.jit(stepped, in_shardings=shardings, donate_argnums=donate)

@@ -16,11 +16,13 @@ from jax.sharding import PartitionSpec as P
 from . import _steps
 from ._batches import signature, spec_key, split_uneven_batch, validate_batch
 from ._evaluation import EvalSteps
+from ._predict import Predict
 from ._trainer_state import StateAccess
-from ._context import ModelFn, ModelModule
+from ._context import ModelFn
+from ._models import NnxModel, adapt, no_parameters_message
 from ._datasets import as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
-from ._state import TrainState
+from ._state import TrainState, from_plain
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 _RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
@@ -47,18 +49,32 @@ def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...])
     return metrics
 
 
-class Trainer(StateAccess, EvalSteps):
-    """Trains a model function with an optax optimizer, one compiled step per batch kind.
+class Trainer(StateAccess, EvalSteps, Predict):
+    """Trains a model with an optax optimizer, one compiled step per batch kind.
+
+    The model is one of:
+    - a model function `model_fn(ctx, spec, inputs) -> predictions` (an array or a list),
+      running inside a Flax Linen scope so `nn.Dense(10)(x)` works in it;
+    - a `flax.linen.Module` instance, called as `module(*inputs)`, with `train=`,
+      `training=` or `deterministic=` set for train and eval steps when it takes one;
+    - a `flax.nnx.Module` instance, called as `module(*inputs)`: its `nnx.Param`s are
+      trained, its other variables (`BatchStat`, ...) are model state averaged across
+      devices, its `nnx.Rngs` streams are derived per step and device from `seed`, and it
+      runs in `train()`/`eval()` mode in train/eval steps; `nnx_module()` gives it back
+      holding the trained values.
 
     Args:
-      model_fn: `model_fn(ctx, spec, inputs) -> predictions` (an array or a list),
-        running inside a Flax Linen scope so `nn.Dense(10)(x)` works in it.
+      model: the model function or module.
       loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
         or None when the model adds its losses with `ctx.add_loss`.
       optimizer: an `optax.GradientTransformation`.
       train_metrics: `loopax.metrics.Metric` objects updated in every train step.
       eval_metrics: `loopax.metrics.Metric` objects updated in every eval step.
       seed: seeds parameter initialization and the per-step RNG.
+      init_params: start from these parameters (nested dicts of arrays, e.g.
+        `loopax.load_params(directory)`) instead of fresh ones; they must have the model's
+        structure and shapes. To keep some fixed, mask the optimizer
+        (`optax.multi_transform`).
       devices: the devices to split each batch over; default all of `jax.devices()`.
       parallel: `"shard_map"` (default: `jax.jit` of `jax.shard_map` over a 1-D mesh) or
         `"pmap"` (literal `jax.pmap` over local devices).
@@ -66,9 +82,11 @@ class Trainer(StateAccess, EvalSteps):
         past it, with a warning.
 
     Raises:
-      TypeError: model_fn/loss_fn not callable, optimizer not an optax transformation, or
-        a metric not following the Metric protocol.
-      ValueError: duplicate metric names, unknown `parallel`, empty `devices`.
+      TypeError: the model is none of the above, loss_fn not callable, optimizer not an
+        optax transformation, or a metric not following the Metric protocol.
+      ValueError: duplicate metric names, unknown `parallel`, empty `devices`; at the first
+        step, a model with no trainable parameters, or `init_params` not fitting the model
+        (naming the first differing entry and both shapes).
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -85,7 +103,7 @@ class Trainer(StateAccess, EvalSteps):
 
     def __init__(
         self,
-        model_fn: ModelFn,
+        model: ModelFn | Any,
         loss_fn: Callable[[list[jax.Array], list[jax.Array]], jax.Array] | None,
         optimizer: optax.GradientTransformation,
         *,
@@ -95,9 +113,9 @@ class Trainer(StateAccess, EvalSteps):
         devices: Sequence[jax.Device] | None = None,
         parallel: str = "shard_map",
         max_executors: int = 20,
+        init_params: Any = None,
     ):
-        if not callable(model_fn):
-            raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+        adapted = adapt(model, _steps.AXIS)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
@@ -115,7 +133,7 @@ class Trainer(StateAccess, EvalSteps):
             raise ValueError("devices is empty; pass None for all devices or a non-empty list")
         if parallel == "pmap" and any(d.process_index != jax.process_index() for d in devices):
             raise ValueError("parallel='pmap' runs on this process's devices only; use 'shard_map'")
-        self.model_fn = model_fn
+        self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.train_metrics = _check_metrics(
@@ -131,10 +149,11 @@ class Trainer(StateAccess, EvalSteps):
         self._multi_process = jax.process_count() > 1
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(_steps.AXIS))
-        self._module = ModelModule(model_fn=model_fn, axis_name=_steps.AXIS)
+        self._model = adapted
+        self._init_params = None if init_params is None else jax.tree.map(np.asarray, init_params)
         self._per_step_updates: list[Callable[[Any], Any]] = []
         self._steps = _steps.StepBuilder(
-            self._module, loss_fn, optimizer, self.train_metrics, self.eval_metrics,
+            adapted, loss_fn, optimizer, self.train_metrics, self.eval_metrics,
             self._per_step_updates, self.num_devices, parallel,
         )
         self._train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
@@ -254,6 +273,14 @@ class Trainer(StateAccess, EvalSteps):
             inputs = self._to_global(inputs)
         variables = self._make_initializer(spec)(rng, inputs)
         params = variables.pop("params", {})
+        if self._init_params is not None:
+            params = from_plain(
+                params, self._init_params, "init_params",
+                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
+                "of a checkpoint of the same model",
+            )
+        if not jax.tree.leaves(params):
+            raise ValueError(no_parameters_message(self.model))
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -296,6 +323,12 @@ class Trainer(StateAccess, EvalSteps):
             body = functools.partial(self._steps.train, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
             compiled = step.lower(self._state, global_inputs, global_labels).compile()
+        elif graph == "predict":
+            body = functools.partial(self._steps.predict, spec, self._rng)
+            step = _steps.make_parallel(
+                body, self.mesh, self.parallel, 1, 1, donate=(), per_example_output=True
+            )
+            compiled = step.lower(self._state, global_inputs).compile()
         elif pieces is None:
             body = functools.partial(self._steps.eval, spec, self._rng)
             step = _steps.make_parallel(body, self.mesh, self.parallel, 2, 2, donate=(1,))
@@ -373,6 +406,24 @@ class Trainer(StateAccess, EvalSteps):
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
         return dict(zip(self._step_metric_names, values))
+
+    def nnx_module(self) -> Any:
+        """The `flax.nnx.Module` this trainer trains, updated in place with the current
+        parameters and model state, ready to call (`module.eval()` for inference).
+
+        Raises:
+          TypeError: the trainer's model is not an NNX module.
+        """
+        if not isinstance(self._model, NnxModel):
+            raise TypeError(
+                f"nnx_module() is for a Trainer of a flax.nnx.Module; this one trains a "
+                f"{type(self.model).__name__} (its parameters are trainer.params)"
+            )
+        state = self.state
+        if state is None:
+            return self._model.module
+        params, model_state = jax.device_get((state.params, state.model_state))
+        return self._model.update_module(params, model_state)
 
     def __repr__(self) -> str:
         return (

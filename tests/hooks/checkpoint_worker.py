@@ -3,7 +3,7 @@
     python checkpoint_worker.py DIR TARGET_STEP OUT.npz [--every N] [--kill-after-save STEP]
                                 [--kill-in-commit STEP] [--exit-after-save STEP]
                                 [--signal-at STEP --signal INT|TERM] [--second-signal-in-commit]
-                                [--no-checkpoint]
+                                [--no-checkpoint] [--nnx]
 
 `--kill-after-save S` sends SIGKILL to itself right after the save of global step S was issued
 (its background write still in flight: saves are handed to the writer thread once the hooks
@@ -34,6 +34,23 @@ def model_fn(ctx, spec, inputs):
     hidden = nn.relu(nn.Dense(16)(inputs[0]))
     hidden = nn.Dropout(0.5, deterministic=not ctx.training)(hidden)
     return nn.Dense(1)(hidden)
+
+
+def nnx_model():
+    """The same network as an NNX module, with BatchNorm too."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+            self.out = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.dropout(nnx.relu(self.norm(self.hidden(x)))))
+
+    return Model(nnx.Rngs(0))
 
 
 def make_dataset():
@@ -81,13 +98,14 @@ def main():
     parser.add_argument("--signal", choices=["INT", "TERM"], default="INT")
     parser.add_argument("--second-signal-in-commit", action="store_true")
     parser.add_argument("--no-checkpoint", action="store_true")
+    parser.add_argument("--nnx", action="store_true", help="train an NNX module")
     args = parser.parse_args()
 
     if args.kill_in_commit is not None:
         inside_commit(kill_self, args.kill_in_commit)
     trainer = loopax.Trainer(
-        model_fn, loopax.losses.binary_crossentropy_logits, optax.adam(0.01),
-        devices=jax.devices()[:1],
+        nnx_model() if args.nnx else model_fn, loopax.losses.binary_crossentropy_logits,
+        optax.adam(0.01), devices=jax.devices()[:1],
     )
     loop = loopax.Loop(trainer)
     if not args.no_checkpoint:

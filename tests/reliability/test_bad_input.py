@@ -93,7 +93,7 @@ def test_a_model_function_returning_none():
 
     trainer = loopax.Trainer(forgot_return, loopax.losses.mean_squared_error, optax.sgd(0.1),
                              devices=jax.devices()[:1])
-    with pytest.raises(TypeError, match=r"model function 'forgot_return' returned None; it "
+    with pytest.raises(TypeError, match=r"model 'forgot_return' returned None; it "
                                         r"must return its predictions .*is a `return` missing\?"):
         loopax.Loop(trainer).run_steps(make_data(), 1)
 

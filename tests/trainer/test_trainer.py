@@ -178,9 +178,14 @@ def test_add_per_step_update_added_after_compiling_takes_effect():
 # -- losses from the model: loss_fn=None and ctx.add_loss -----------------------------------
 
 
+def unused_parameters(inputs):
+    """Zero, from a layer: a model needs trainable parameters, these never change a value."""
+    return 0.0 * nn.Dense(1)(inputs[0])
+
+
 def scaled_inputs_model(ctx, spec, inputs):
-    """No variables: predictions are 2x, and the model adds the non-scalar 2x as a loss."""
-    predictions = 2.0 * inputs[0]
+    """Predictions are 2x, and the model adds the non-scalar 2x as a loss."""
+    predictions = 2.0 * inputs[0] + unused_parameters(inputs)
     ctx.add_loss(predictions)
     return predictions
 
@@ -240,7 +245,7 @@ def random_loss_model(ctx, spec, inputs):
     """The loss is a sum of uniform draws from two RNG streams: it shows the keys."""
     ctx.add_loss(jax.random.uniform(ctx.make_rng("dropout"), (4,)))
     ctx.add_loss(10.0 * jax.random.uniform(ctx.make_rng("noise"), ()))  # any stream name works
-    return inputs[0]
+    return inputs[0] + unused_parameters(inputs)
 
 
 def test_make_rng_differs_per_step():

@@ -1,0 +1,180 @@
+"""What a Trainer trains: a model function, a Flax Linen module, or a Flax NNX module.
+
+Each is adapted to one interface, Linen's: `init(rngs, spec, inputs, training)` returns the
+variables (`{"params": ..., <other collections>: ...}`, nested dicts of arrays) and
+`apply(variables, spec, inputs, training, rngs=, mutable=)` returns
+`((predictions, added_loss), new_model_state)`, predictions a list. The compiled steps,
+checkpoints and data parallelism then treat all three alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ._context import ModelModule, check_predictions
+
+# The keyword a Linen module's __call__ takes for train/eval mode, and its value in training.
+_MODE_KEYWORDS = {"train": True, "training": True, "deterministic": False}
+NNX_STATE = "nnx"  # the model-state collection holding an NNX module's non-parameter state
+
+
+def _as_list(predictions: Any) -> list:
+    return list(predictions) if isinstance(predictions, (list, tuple)) else [predictions]
+
+
+class LinenModel:
+    """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`: the keyword
+    it takes among `train`, `training` (True in train steps) and `deterministic` (False in
+    train steps), if any."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        parameters = inspect.signature(module.__call__).parameters
+        self.mode_keyword = next((k for k in _MODE_KEYWORDS if k in parameters), None)
+
+    def _kwargs(self, training: bool) -> dict[str, bool]:
+        if self.mode_keyword is None:
+            return {}
+        in_training = _MODE_KEYWORDS[self.mode_keyword]
+        return {self.mode_keyword: in_training if training else not in_training}
+
+    def init(self, rngs: dict, spec: Any, inputs: list, training: bool) -> dict:
+        del spec
+        return dict(self.module.init(rngs, *inputs, **self._kwargs(training)))
+
+    def apply(self, variables: dict, spec: Any, inputs: list, training: bool, *, rngs: dict,
+              mutable: list[str]) -> tuple[tuple[list, None], dict]:
+        del spec
+        predictions, new_state = self.module.apply(
+            variables, *inputs, **self._kwargs(training), rngs=rngs, mutable=mutable
+        )
+        predictions = _as_list(predictions)
+        check_predictions(self.module, predictions)
+        return (predictions, None), dict(new_state)
+
+
+class NnxModel:
+    """A `flax.nnx.Module` instance, called as `module(*inputs)`.
+
+    Its `nnx.Param`s are the trained parameters; its other variables (`BatchStat`, ...)
+    are the model state (collection `"nnx"`), updated in train steps and averaged across
+    devices; its `nnx.Rngs` streams are fresh in every step, derived from the trainer's
+    key, the step and the device; train and eval steps run it in `train()` and `eval()`
+    mode. The values it holds when the Trainer is made are the starting point.
+    """
+
+    def __init__(self, module: Any):
+        from flax import nnx  # noqa: PLC0415
+
+        self._nnx = nnx
+        self.module = module
+        self._filters = (nnx.Param, nnx.RngState, ...)
+        module.eval()
+        self._eval_graph = nnx.split(module, *self._filters)[0]
+        module.train()
+        self._train_graph, params, rngs, rest = nnx.split(module, *self._filters)
+        # Templates: the States are rebuilt from the trainer's plain dicts in every step.
+        self._templates = (params, rngs, rest)
+        self._params = nnx.to_pure_dict(params)
+        self._rest = nnx.to_pure_dict(rest)
+        self._rng_structure = nnx.to_pure_dict(rngs)
+
+    def _filled(self, template: Any, pure: dict) -> Any:
+        state = jax.tree.map(lambda leaf: leaf, template)  # a copy: the template stays as it is
+        self._nnx.replace_by_pure_dict(state, pure)
+        return state
+
+    def _fresh_rngs(self, key: jax.Array) -> dict:
+        """The module's RNG streams with keys derived from `key` (one per stream), count 0."""
+        index = iter(range(1, 1 << 30))
+
+        def fresh(leaf: Any) -> Any:
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(jax.random.fold_in(key, next(index)))
+            return jnp.zeros_like(leaf)
+
+        return jax.tree.map(fresh, self._rng_structure)
+
+    def init(self, rngs: dict, spec: Any, inputs: list, training: bool) -> dict:
+        del rngs, spec, inputs, training
+        variables = {"params": self._params}
+        if self._rest:
+            variables[NNX_STATE] = self._rest
+        return variables
+
+    def apply(self, variables: dict, spec: Any, inputs: list, training: bool, *, rngs: dict,
+              mutable: list[str]) -> tuple[tuple[list, None], dict]:
+        del spec, mutable
+        nnx = self._nnx
+        params, rng_state, rest = self._templates
+        module = nnx.merge(
+            self._train_graph if training else self._eval_graph,
+            self._filled(params, variables["params"]),
+            self._filled(rng_state, self._fresh_rngs(rngs["dropout"])),
+            self._filled(rest, variables.get(NNX_STATE, {})),
+        )
+        predictions = _as_list(module(*inputs))
+        check_predictions(self.module, predictions)
+        new_state = {}
+        if self._rest:
+            rest = nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+            new_state[NNX_STATE] = nnx.to_pure_dict(rest)
+        return (predictions, None), new_state
+
+    def update_module(self, params: dict, model_state: dict) -> Any:
+        """Writes the trainer's parameters and model state (host arrays) into the module the
+        user gave, and returns it."""
+        nnx = self._nnx
+        params_template, _, rest_template = self._templates
+        states = [self._filled(params_template, params)]
+        if NNX_STATE in model_state:
+            states.append(self._filled(rest_template, model_state[NNX_STATE]))
+        nnx.update(self.module, *states)
+        return self.module
+
+
+def no_parameters_message(model: Any) -> str:
+    """Why a model has no trainable parameters, as likely as it can be told."""
+    name = getattr(model, "__name__", type(model).__name__)
+    if isinstance(model, nn.Module) or is_nnx_module(model):
+        cause = "its layers hold no parameters (or all of them are constants)"
+    else:
+        cause = (
+            "a model function that builds a flax.nnx.Module inside it (NNX variables are not "
+            "Linen variables, so nothing is trained: pass the module itself, "
+            "loopax.Trainer(module, ...)), or one that uses only constants"
+        )
+    return (
+        f"model {name!r} has no trainable parameters, so training would change nothing; "
+        f"likely cause: {cause}"
+    )
+
+
+def is_nnx_module(model: Any) -> bool:
+    """Whether `model` is a `flax.nnx.Module`."""
+    from flax import nnx  # noqa: PLC0415
+
+    return isinstance(model, nnx.Module)
+
+
+def adapt(model: Any, axis_name: str) -> Any:
+    """The model interface for a model function, a Linen module or an NNX module.
+
+    Raises:
+      TypeError: `model` is none of them.
+    """
+    if isinstance(model, nn.Module):
+        return LinenModel(model)
+    if is_nnx_module(model):
+        return NnxModel(model)
+    if callable(model):
+        return ModelModule(model_fn=model, axis_name=axis_name)
+    raise TypeError(
+        f"the model must be a model function model_fn(ctx, spec, inputs), a flax.linen.Module "
+        f"or a flax.nnx.Module, got {type(model).__name__}"
+    )

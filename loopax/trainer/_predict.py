@@ -1,0 +1,119 @@
+"""The Trainer's predictions: the model's outputs as numpy, every example once."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ._datasets import as_list, bad_batch_error
+
+if TYPE_CHECKING:
+    from ._executors import Executor
+
+DEFAULT_BATCH_SIZE = 256
+
+
+def _pad_to(arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """`arrays` (one batch) padded to `size` examples with copies of their last example."""
+    missing = size - arrays[0].shape[0]
+    if not missing:
+        return arrays
+    return [np.concatenate([a, np.repeat(a[-1:], missing, axis=0)]) for a in arrays]
+
+
+class Predict:
+    """The part of `Trainer` that predicts; see `Trainer.predict`."""
+
+    # Provided by `Trainer`.
+    _state: Any
+    _local_devices: int
+    _multi_process: bool
+    _executor: Callable[..., Executor]
+    _to_global: Callable[[list], list]
+
+    def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
+        """Predictions for one (local) batch, padded to `size` (a multiple of the devices)
+        and trimmed back."""
+        count = int(inputs[0].shape[0])
+        padded = _pad_to([np.asarray(a) for a in inputs], size)
+        executor = self._executor("predict", spec, padded, [])
+        if self._multi_process:
+            padded = self._to_global(padded)
+        outputs = executor.run(self._state, padded)
+        results = []
+        for output in outputs:
+            if self._multi_process:  # this process's examples: its devices' shards, in order
+                shards = sorted(output.addressable_shards, key=lambda s: s.index[0].start or 0)
+                output = np.concatenate([np.asarray(s.data) for s in shards])
+            results.append(np.asarray(output)[:count])
+        return results
+
+    def predict(self, x: Any, *, batch_size: int | None = None, spec: Any = None) -> Any:
+        """The model's predictions (eval mode) as numpy, for every example exactly once.
+
+        Args:
+          x: the model's inputs: an array, a list of arrays (one per model input, the same
+            first dimension), or a `Dataset` (its batches' inputs; labels are ignored; it is
+            reset first).
+          batch_size: examples per compiled call (default 256, or the whole input when
+            smaller), rounded up to a multiple of the device count; the last batch is padded
+            and the padding's predictions dropped, so each batch size compiles once. Ignored
+            for a `Dataset`, whose batches are predicted as they come (each padded to the
+            device count).
+          spec: the spec passed to the model (ignored for a `Dataset`, whose batches carry
+            theirs).
+
+        Returns:
+          A numpy array of predictions, or a list of arrays when the model returns several.
+
+        Raises:
+          RuntimeError: the trainer has no state yet (no step, restore or init_params).
+          ValueError: inputs with different first dimensions, or a bad batch_size.
+        """
+        if self._state is None:
+            raise RuntimeError(
+                "predict needs the model's variables: train a step first, or restore a "
+                "checkpoint (hooks.checkpoint), or give init_params= to the Trainer"
+            )
+        devices = self._local_devices
+        if callable(getattr(x, "yield_batch", None)):
+            parts = self._predict_dataset(x, devices)
+        else:
+            inputs = [np.asarray(a) for a in as_list(x)]
+            sizes = {int(a.shape[0]) for a in inputs}
+            if len(sizes) != 1:
+                raise ValueError(
+                    f"predict got inputs with different first dimensions {sorted(sizes)}; every "
+                    "input needs one row per example"
+                )
+            total = sizes.pop()
+            if batch_size is None:
+                batch_size = min(DEFAULT_BATCH_SIZE, max(total, 1))
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            size = math.ceil(batch_size / devices) * devices
+            parts = [
+                self._predict_batch(spec, [a[start:start + size] for a in inputs], size)
+                for start in range(0, total, size)
+            ]
+        if not parts:
+            raise ValueError("predict got no examples")
+        outputs = [np.concatenate(column) for column in zip(*parts)]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:
+        dataset.reset()
+        parts = []
+        while True:
+            try:
+                batch = dataset.yield_batch()
+            except StopIteration:
+                return parts
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            batch_spec, inputs, _ = batch
+            inputs = [np.asarray(a) for a in as_list(inputs)]
+            size = math.ceil(int(inputs[0].shape[0]) / devices) * devices
+            parts.append(self._predict_batch(batch_spec, inputs, size))
