@@ -74,3 +74,41 @@ def test_keras_style_trains_with_validation_checkpoints_log_and_early_stopping(t
     val_steps = sorted({int(row.split(",")[3]) for row in rows[1:] if row.startswith("eval/val/")})
     assert len(val_steps) == 4  # one validation per epoch
     assert len(list((tmp_path / "checkpoints").glob("[0-9]*"))) >= 1
+
+
+def test_digits_with_flax_nnx_mnist_cnn_reaches_97_percent(tmp_path):
+    pytest.importorskip("sklearn")
+    result = _run(
+        [str(EXAMPLES / "digits.py"), "--model", "nnx", "--steps", "500", "--dir", str(tmp_path),
+         "--no-progress"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    accuracy = float(result.stdout.strip().splitlines()[-1].split(":")[1])
+    assert accuracy >= 0.97, result.stdout[-2000:]
+
+
+def test_digits_grain_trains_and_resumes_exactly(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("grain")
+    script = str(EXAMPLES / "digits_grain.py")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    uninterrupted = subprocess.Popen(  # in parallel with the interrupted runs
+        [sys.executable, script, "--steps", "350", "--dir", str(tmp_path / "uninterrupted")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    first = _run([script, "--steps", "300", "--dir", str(tmp_path / "run")], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.strip().splitlines()[-1].startswith("test accuracy: 0.9"), first.stdout
+    assert "resumed" not in first.stdout
+
+    second = _run([script, "--steps", "350", "--dir", str(tmp_path / "run")], cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 300" in second.stdout
+    assert "Warning" not in second.stderr, second.stderr[-3000:]
+    output, errors = uninterrupted.communicate(timeout=300)
+    assert uninterrupted.returncode == 0, errors[-3000:]
+    # The same batches after the resume: the same results at step 350.
+    at_350 = output[output.index("Step 350:"):]
+    assert second.stdout[second.stdout.index("Step 350:"):] == at_350
