@@ -63,3 +63,25 @@ def test_readme_metric_matches_numpy(readme_metric_class):
     labels, predictions = np.array([1.0, 2.0, 4.0]), np.array([1.5, 2.0, 2.0])
     state = metric.accumulate(metric.init(), metric.update([labels], [predictions]))
     assert float(metric.compute(state)) == pytest.approx(np.abs(labels - predictions).mean())
+
+
+def test_readme_nnx_model_and_frozen_optimizer_run_as_written():
+    import optax
+
+    source = _readme_block("class MLP(nnx.Module)")
+    namespace: dict = {"loopax": loopax, "losses": losses, "optimizers": optimizers}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 64)).astype(np.float32)
+    namespace["train"] = loopax.ArrayDataset(x, rng.integers(0, 10, 64).astype(np.int32), 16,
+                                             loop_forever=True)
+    exec(source.replace("run_steps(train, 1000)", "run_steps(train, 3)"), namespace)  # noqa: S102
+    assert namespace["trainer"].global_step == 3
+    assert namespace["model"] is namespace["trainer"].nnx_module()
+
+    frozen_block = _readme_block("optax.multi_transform")
+    frozen = {"optax": optax}
+    exec(frozen_block, frozen)  # noqa: S102
+    params = {"Dense_0": {"kernel": np.ones((2, 2))}, "Dense_1": {"kernel": np.ones((2, 2))}}
+    state = frozen["optimizer"].init(params)
+    updates, _ = frozen["optimizer"].update(params, state, params)
+    assert not np.any(updates["Dense_0"]["kernel"]) and np.all(updates["Dense_1"]["kernel"])
