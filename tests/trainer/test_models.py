@@ -119,16 +119,17 @@ def test_nnx_module_is_only_for_nnx_trainers():
         make_trainer(model_fn).nnx_module()
 
 
-def test_nnx_resume_is_bit_identical(tmp_path):
-    uninterrupted = make_trainer(NnxMLP(nnx.Rngs(0)))
+@pytest.mark.parametrize("devices", [1, 4])
+def test_nnx_resume_is_bit_identical(tmp_path, devices):
+    uninterrupted = make_trainer(NnxMLP(nnx.Rngs(0)), devices)
     loopax.Loop(uninterrupted).run_steps(train_data(), 30)
 
-    first = make_trainer(NnxMLP(nnx.Rngs(0)))
+    first = make_trainer(NnxMLP(nnx.Rngs(0)), devices)
     loop = loopax.Loop(first)
     hooks.checkpoint(loop, tmp_path)
     loop.on_step("interrupt", lambda loop, m: loop.loop_step == 11 and loop.request_stop("test"))
     loop.run_to_step(train_data(), 30)  # stopped at 12, saved there
-    resumed = make_trainer(NnxMLP(nnx.Rngs(1)))  # other initial values: the checkpoint wins
+    resumed = make_trainer(NnxMLP(nnx.Rngs(1)), devices)  # other initial values: the checkpoint wins
     loop = loopax.Loop(resumed)
     hooks.checkpoint(loop, tmp_path)
     assert resumed.global_step == 12
