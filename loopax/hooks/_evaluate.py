@@ -27,13 +27,14 @@ EVALUATED_DATASETS = "evaluated_datasets"
 def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]:
     """Returns `datasets` as a tuple of datasets with unique names.
 
-    Accepts one dataset or a sequence of them.
+    Accepts one dataset, or a list or tuple of them.
 
     Raises:
       TypeError: an element has no `yield_batch`/`reset`.
       ValueError: a dataset has no name, or two share one.
     """
-    if hasattr(datasets, "yield_batch"):
+    # Only a list or a tuple holds several: anything else (a grain dataset too) is one.
+    if not isinstance(datasets, (list, tuple)):
         datasets = (datasets,)
     datasets = tuple(datasets)
     names: list[str] = []
@@ -41,7 +42,8 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
         if not all(callable(getattr(dataset, method, None)) for method in ("yield_batch", "reset")):
             raise TypeError(
                 f"{argument} must hold loopax datasets (with yield_batch() and reset()), got "
-                f"{type(dataset).__name__}"
+                f"{type(dataset).__name__}; give an iterable of batches (a grain dataset, a "
+                "list of batches) its name with loopax.IterableDataset(batches, name='test')"
             )
         name = dataset_name(dataset)
         if name in names:

@@ -3,7 +3,7 @@
 from ._context import Context as Context
 from ._datasets import ArrayDataset as ArrayDataset
 from ._datasets import Dataset as Dataset
-from ._datasets import IterableDataset as IterableDataset
+from ._iterables import IterableDataset as IterableDataset
 from ._executors import ExecInfo as ExecInfo
 from ._executors import Executor as Executor
 from ._finite import NonFiniteLossError as NonFiniteLossError

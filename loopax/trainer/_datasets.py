@@ -1,8 +1,9 @@
-"""The `Dataset` protocol and two ready datasets: in-memory arrays and iterables."""
+"""The `Dataset` protocol, `ArrayDataset` (in-memory arrays), and the helpers every reader of
+datasets shares; iterables (grain's too) are in `_iterables`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -16,6 +17,7 @@ class Dataset(Protocol):
     `yield_batch()` returns `(spec, inputs, labels)` and raises `StopIteration` at the
     end of the data; `reset()` starts over. A dataset may also implement
     `get_state() -> dict` and `set_state(dict)` so checkpoints save its position.
+    Where a `Dataset` is taken, any iterable of batches is too (see `IterableDataset`).
     """
 
     name: str
@@ -194,56 +196,7 @@ def _is_empty(labels: Any) -> bool:
     return labels is None or (isinstance(labels, (list, tuple)) and len(labels) == 0)
 
 
-class IterableDataset:
-    """Wraps a zero-argument callable that returns an iterator of batches.
-
-    Each item is `(inputs, labels)` or `(spec, inputs, labels)`; inputs and labels may be
-    single arrays or sequences of arrays. `reset()` calls `make_iterator` again.
-
-    Args:
-      make_iterator: a zero-argument callable returning a fresh iterator.
-      name: the dataset's name in messages, logs and plots.
-
-    Raises:
-      TypeError: `make_iterator` is not callable.
-
-    Example:
-      >>> import numpy as np
-      >>> ds = IterableDataset(lambda: iter([(np.ones(2), np.zeros(2))]), name="one")
-      >>> spec, inputs, labels = ds.yield_batch()
-      >>> spec, len(inputs), len(labels)
-      (None, 1, 1)
-    """
-
-    def __init__(self, make_iterator: Callable[[], Iterator[Any]], *, name: str):
-        if not callable(make_iterator):
-            raise TypeError(
-                f"IterableDataset needs a zero-argument callable returning an iterator, got "
-                f"{type(make_iterator).__name__}; wrap a generator as `lambda: gen()`"
-            )
-        self.name = name
-        self._make_iterator = make_iterator
-        self._iterator = iter(make_iterator())
-
-    def yield_batch(self) -> Batch:
-        """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at the end."""
-        item = next(self._iterator)
-        if not isinstance(item, tuple) or len(item) not in (2, 3):
-            raise ValueError(
-                f"IterableDataset {self.name!r} yielded a {type(item).__name__}; each item must "
-                "be a tuple (inputs, labels) or (spec, inputs, labels)"
-            )
-        spec, inputs, labels = (None, *item) if len(item) == 2 else item
-        return spec, as_list(inputs), as_list(labels)
-
-    def reset(self) -> None:
-        """Starts over with a fresh iterator from `make_iterator()`."""
-        self._iterator = iter(self._make_iterator())
-
-    def __repr__(self) -> str:
-        return f"IterableDataset(name={self.name!r})"
-
-
+# The accepted forms of an iterable's element, as errors state them.
 def as_list(arrays: Any) -> list[Any]:
     """One array, a sequence of arrays, or None -> a list (a list is returned as is)."""
     if type(arrays) is list:
@@ -264,9 +217,12 @@ def dataset_name(dataset: Any) -> str:
     """
     name = getattr(dataset, "name", None)
     if not isinstance(name, str) or not name:
+        shown = repr(dataset) if callable(getattr(dataset, "yield_batch", None)) else (
+            f"a {type(dataset).__name__}")
         raise ValueError(
-            f"dataset {dataset!r} needs a non-empty str `name` so its results can be stored and "
-            "shown under it; e.g. ArrayDataset(..., name='test')"
+            f"dataset {shown} needs a non-empty str `name` so its results can be stored and "
+            "shown under it; e.g. ArrayDataset(..., name='test'), or for an iterable of batches "
+            "(a list, a grain dataset) loopax.IterableDataset(batches, name='test')"
         )
     return name
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import jax
 
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
 from ._datasets import Dataset, as_list, bad_batch_error
+from ._iterables import evaluation_dataset
 from ._inflight import InFlight
 
 if TYPE_CHECKING:
@@ -91,21 +92,28 @@ class EvalSteps:
             return pieces
         return tuple(self._to_global(piece) for piece in pieces)
 
-    def evaluate(self, dataset: Dataset) -> dict[str, float]:
+    def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
         """Evaluates on every batch of `dataset`; returns example-weighted means.
 
         Resets the dataset and the eval metrics first (not after). Every example the
         dataset yields counts once, on any number of devices (see `eval_step`). A dataset
         that says it skips examples (`ArrayDataset` with `drop_remainder=True` and a
         size its batch size does not divide) draws a `RuntimeWarning` with the counts.
+        An iterable of batches (a list, a grain `MapDataset`, `IterDataset` or
+        `DataLoader`) or an `IterableDataset` is read from its start with an iterator of
+        its own, so evaluating the data a run trains on leaves the run's position as it is.
 
         Returns:
           `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
 
         Raises:
-          ValueError: the dataset yields no batch, or has `loop_forever=True`.
+          TypeError: `dataset` is neither a `Dataset` nor an iterable, or is an iterator
+            (a generator), which cannot be read again.
+          ValueError: the dataset yields no batch, has `loop_forever=True` or repeats
+            forever (grain's `.repeat()`).
           RuntimeError: the dataset raised (the message names it).
         """
+        dataset = evaluation_dataset(dataset)
         if getattr(dataset, "loop_forever", False):
             raise ValueError(
                 f"dataset {getattr(dataset, 'name', dataset)!r} loops forever, so evaluating it "

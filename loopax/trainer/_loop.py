@@ -8,11 +8,12 @@ import logging
 import sys
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from ._datasets import Dataset, bad_batch_error
+from ._iterables import RunIterable, check_restartable
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import History
 from ._hook_registry import PHASES
@@ -114,6 +115,7 @@ class Loop(MetricsAccess):
         self._finite = FiniteChecker()
         self._in_flight = InFlight(limit_for(trainer.num_devices))
         self._interrupts = Interrupts(self._on_signal)
+        self._iterable = RunIterable()
 
     # -- what hooks ask of the loop -------------------------------------------------------
 
@@ -347,10 +349,16 @@ class Loop(MetricsAccess):
             raise ValueError(f"{argument} must be an int >= 0, got {argument}={value!r}")
         return int(value)
 
-    def run_steps(self, dataset: Dataset, steps: int) -> Metrics:
+    def run_steps(self, dataset: Dataset | Iterable[Any], steps: int) -> Metrics:
         """Runs `steps` train steps from the current step; returns the last metrics.
 
+        `dataset` is a `Dataset` or any iterable of batches (a list, a generator, a grain
+        `MapDataset`, `IterDataset` or `DataLoader`), read as an `IterableDataset` named
+        "train": the next run on the same object goes on where this one stopped, and a
+        checkpoint saves a grain iterator's position.
+
         Raises:
+          TypeError: `dataset` is neither a `Dataset` nor an iterable.
           ValueError: `steps` is negative or not an int, or the dataset yields something
             other than `(spec, inputs, labels)`.
           RuntimeError: the dataset ended before `steps` steps (OnEnd does not run), or
@@ -359,6 +367,7 @@ class Loop(MetricsAccess):
           NonFiniteLossError: the loss became NaN or infinite.
         """
         steps = self._check_count("steps", steps)
+        dataset = self._iterable.dataset(dataset)
         if steps == 0:
             return {}
         if self._hooks["OnEpochEnd"] and not self._warned_epoch_hooks:
@@ -381,11 +390,11 @@ class Loop(MetricsAccess):
                 )
             return self._end_run()
 
-    def run_to_step(self, dataset: Dataset, global_step: int) -> Metrics:
+    def run_to_step(self, dataset: Dataset | Iterable[Any], global_step: int) -> Metrics:
         """Runs the steps left until `trainer.global_step == global_step` (resume-aware).
 
         Returns the last metrics, or `{}` when the trainer is already there (a warning says
-        so when it is past it).
+        so when it is past it). `dataset` as for `run_steps`.
 
         Raises:
           ValueError: `global_step` is negative or not an int.
@@ -404,24 +413,21 @@ class Loop(MetricsAccess):
             return {}
         return self.run_steps(dataset, remaining)
 
-    def run_epochs(self, dataset: Dataset, epochs: int) -> Metrics:
+    def run_epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
         """Runs `epochs` passes over `dataset`; resets it after each epoch.
 
         The first epoch starts where the dataset is (no reset before it). `end_step` is -1
-        until the first epoch ends, then extrapolated from its number of batches.
+        until the first epoch ends, then extrapolated from its number of batches. `dataset`
+        as for `run_steps`, but not an iterator (a generator), which cannot start over.
 
         Raises:
           ValueError: `epochs` is negative or an epoch yields no batch.
-          TypeError: the dataset has no `reset()`.
+          TypeError: the dataset has no `reset()`, or is an iterator.
           HookError, NonFiniteLossError: as `run_steps`.
         """
         epochs = self._check_count("epochs", epochs)
-        if not callable(getattr(dataset, "reset", None)):
-            raise TypeError(
-                f"run_epochs needs a dataset with reset() to start each epoch over, and "
-                f"{getattr(dataset, 'name', type(dataset).__name__)!r} has none; add reset(), "
-                "or use run_steps"
-            )
+        dataset = self._iterable.dataset(dataset)
+        check_restartable(dataset, "run_epochs")
         with self._run(dataset, -1):
             while self.epoch < epochs and not self._stop_requested:
                 self._epoch_batches = 0
