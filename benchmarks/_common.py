@@ -257,11 +257,13 @@ def loopax_loop(
     devices: Sequence[Any] | None = None,
     parallel: str = "shard_map",
     dataset: Any = None,
+    model: Any = None,
 ) -> Run:
     """loopax's `Loop.run_steps` over the cycling batches (or over `dataset`, e.g. an
-    `ArrayDataset` of numpy arrays), with `attach(loop)` hooks."""
+    `ArrayDataset` of numpy arrays), with `attach(loop)` hooks, training `model` (a model
+    function, a Linen or an NNX module; default: the workload's model function)."""
     trainer = loopax.Trainer(
-        workload.model_fn, loss_fn, workload.optimizer(),
+        workload.model_fn if model is None else model, loss_fn, workload.optimizer(),
         devices=list(devices) if devices is not None else jax.devices()[:1], parallel=parallel,
     )
     loop = loopax.Loop(trainer)

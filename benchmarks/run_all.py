@@ -7,8 +7,10 @@ Two workloads, both trained from the same device-resident batches with donated s
 On each, one interleaved comparison against a hand-written `jax.jit` loop (no per-step
 sync): loopax's Loop bare, with 5 no-op `every_n_steps` hooks, and with the README's
 hooks (progress bar, TensorBoard, checkpoint every 60 s; a second row saves every 1000
-steps); Keras 3 `fit` on the JAX backend with `steps_per_execution` 1 and 32 (same
-network and optimizer, the same batches as device arrays). On 4 simulated CPU devices (a
+steps); the same network as a Flax NNX module, trained by its hand-written `nnx.jit` step
+as Flax's docs write it and by loopax's bare Loop (`loopax.Trainer(module, ...)`); Keras 3
+`fit` on the JAX backend with `steps_per_execution` 1 and 32 (same network and optimizer,
+the same batches as device arrays). On 4 simulated CPU devices (a
 subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax
 `parallel="shard_map"` and `"pmap"` against a hand-written `jax.jit(jax.shard_map(step))`.
 
@@ -28,7 +30,8 @@ Details that matter for reading the figures:
   Loop, and the bare Loop >= 0.97x the hand-written loop that computes the same outputs (the
   loss's moving average too). Issue 6: README hooks >= 0.95x hand-written and >= 2.5x Keras
   fit (steps_per_execution=1) on tiny, >= 0.99x on medium; loopax shard_map >= the
-  hand-written shard_map within noise (max(± , 0.02)) on 4 devices.
+  hand-written shard_map within noise (max(± , 0.02)) on 4 devices. Issue 12, tiny and
+  medium: the NNX module through loopax >= 0.97x its hand-written `nnx.jit` step.
 
 Every candidate of a comparison runs once per round, in an order that rotates from round
 to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
@@ -84,6 +87,7 @@ KERAS_HOST = "Keras fit, steps_per_execution=1, numpy arrays"
 DEVICE_REFERENCE = "hand-written jit(shard_map) step"
 SHARD_MAP = 'loopax parallel="shard_map"'
 PMAP = 'loopax parallel="pmap"'
+NNX_TARGET = 0.97  # issue 12, on both workloads
 
 
 
@@ -134,6 +138,7 @@ def keras_fit(workload: Any, batches: list, steps: int, steps_per_execution: int
 def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, keras_rows: bool):
     """One interleaved comparison on one workload; returns its table rows."""
     import _common  # noqa: PLC0415
+    import bench_nnx  # noqa: PLC0415
 
     workload = _common.WORKLOADS[name]
     steps = STEPS[name][args.quick]
@@ -148,6 +153,8 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                                                              moving_average=True)
         candidates[BARE] = _common.loopax_loop(workload, batches, steps)
         candidates[NOOP] = _common.loopax_loop(workload, batches, steps, attach=_common.noop_hooks(5))
+        candidates[bench_nnx.NNX_JIT] = bench_nnx.nnx_jit(workload, batches, steps)
+        candidates[bench_nnx.NNX_LOOPAX] = bench_nnx.loopax_nnx(workload, batches, steps)
         readme_rows: list[tuple[str, dict, Any]] = [
             (README, {}, None), (FREQUENT_SAVES, {"every_n_steps": 1000}, None)]
         if keras_rows:  # the README hooks fed from numpy, to pair with Keras fed numpy
@@ -184,18 +191,23 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                                  on_round=round_progress(name))
     rows = [(REFERENCE, timings.rate(REFERENCE), 1.0, 0.0)]
     for row in (REFERENCE_AVERAGE, BARE, NOOP, README, README + "whole", FREQUENT_SAVES,
-                KERAS.format(1), KERAS.format(32), README_HOST, KERAS_HOST):
+                bench_nnx.NNX_JIT, bench_nnx.NNX_LOOPAX, KERAS.format(1), KERAS.format(32),
+                README_HOST, KERAS_HOST):
         label = README_WHOLE if row == README + "whole" else row
         if row in timings.seconds:
             rows.append((label, timings.rate(row), timings.ratio(row, REFERENCE),
                          timings.spread(row, REFERENCE)))
         elif row in unavailable:
             rows.append((label, unavailable[row]))
-    # Issue 13's targets are between candidates other than the reference.
+    # Issues 13 (tiny) and 12 (both) set targets between candidates other than the
+    # reference; a pair with target None is printed without one.
+    issue_13 = 0.97 if name == "tiny" else None
     pairs = []
     for label, own, other, target in (
-        ("README hooks vs the bare Loop", README, BARE, 0.97),
-        ("bare Loop vs hand-written with the same outputs", BARE, REFERENCE_AVERAGE, 0.97),
+        ("README hooks vs the bare Loop", README, BARE, issue_13),
+        ("bare Loop vs hand-written with the same outputs", BARE, REFERENCE_AVERAGE, issue_13),
+        ("NNX through loopax vs hand-written nnx.jit", bench_nnx.NNX_LOOPAX, bench_nnx.NNX_JIT,
+         NNX_TARGET),
     ):
         if own in timings.seconds and other in timings.seconds:
             pairs.append((label, timings.ratio(own, other), timings.spread(own, other), target))
@@ -340,7 +352,7 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
                   f"{target_of(key, label, ratio, spread)}")
         for label, ratio, spread, target in section.get("pairs", ()):
             text = f"{ratio:.3f} ± {spread:.3f}"
-            goal = f">= {target}  {mark(ratio >= target)}" if key == "tiny" else ""
+            goal = f">= {target}  {mark(ratio >= target)}" if target is not None else ""
             print(f"  {label:{width}} {'':>9}  {text:>13}  {goal}")
         if key == "tiny":
             versus = section.get("readme_vs_keras")
