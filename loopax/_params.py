@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +46,12 @@ def load_params(directory: str | os.PathLike, step: int | None = None) -> Any:
     import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
 
     from .hooks._checkpoint_format import check_directory  # noqa: PLC0415
-    from .hooks._checkpoint_io import DamagedCheckpointError, read  # noqa: PLC0415
-    from .hooks._checkpoint_io import open_manager  # noqa: PLC0415
+    from .hooks._checkpoint_io import (  # noqa: PLC0415
+        DamagedCheckpointError,
+        open_manager,
+        read,
+        read_newest_good,
+    )
 
     directory = Path(directory).expanduser().absolute()
     if not directory.is_dir():
@@ -66,16 +69,9 @@ def load_params(directory: str | os.PathLike, step: int | None = None) -> Any:
                     f"no checkpoint of step {step} in {str(directory)!r}; there are {sorted(steps)}"
                 )
             return read(manager, ocp, step)[0]["params"]
-        for candidate in steps:
-            try:
-                return read(manager, ocp, candidate)[0]["params"]
-            except Exception as err:  # noqa: BLE001 - a damaged one: try the next newest
-                warnings.warn(
-                    f"checkpoint {str(directory / str(candidate))!r} is damaged "
-                    f"({type(err).__name__}: {err}); reading the next newest",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        raise DamagedCheckpointError(f"every checkpoint in {str(directory)!r} is damaged")
+        found = read_newest_good(manager, ocp, directory, move_damaged=False, stacklevel=3)
+        if found is None:
+            raise DamagedCheckpointError(f"every checkpoint in {str(directory)!r} is damaged")
+        return found[1]["params"]
     finally:
         manager.close()

@@ -48,6 +48,7 @@ from ._checkpoint_io import (
 from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 from ._metric_info import split_eval_key
 from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
+from ._triggers import on_schedule
 
 _logger = logging.getLogger(__name__)
 
@@ -488,9 +489,9 @@ def checkpoint(
         keep_best=keep_best, keep_period=keep_period, async_save=async_save,
     )
     for schedule in schedules:
-        register = loop.on_epoch_end if isinstance(schedule, EveryNEpochs) else loop.on_step
-        register(f"{schedule!r}: checkpoint", checkpointer._save_on_trigger, Priority.CHECKPOINT,
-                 when=schedule, check_finite=False)
+        # `save` checks the losses itself, first (a nan_guard may roll back there).
+        on_schedule(loop, schedule, "checkpoint", checkpointer._save_on_trigger,
+                    priority=Priority.CHECKPOINT, check_finite=False)
     # Before the other start hooks, so that they see the restored dataset position.
     loop.on_start("checkpoint: restore position", checkpointer._on_start, Priority.VALIDATE)
     loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT, check_finite=False)

@@ -55,6 +55,13 @@ def verify(plain: dict, bundle: dict) -> None:
         raise DamagedCheckpointError(f"array {bad!r} holds NaN or infinite values")
 
 
+def read_bundle(manager: Any, ocp: Any, step: int) -> Any:
+    """The JSON description of checkpoint `step`, as stored (not checked)."""
+    return manager.restore(
+        step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
+    )[BUNDLE_ITEM]
+
+
 def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
     """Reads checkpoint `step` into host arrays and checks it.
 
@@ -62,9 +69,7 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
       Exception: anything reading it raised; `DamagedCheckpointError` when it reads but is
         not what was saved.
     """
-    bundle = manager.restore(
-        step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
-    )[BUNDLE_ITEM]
+    bundle = read_bundle(manager, ocp, step)
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
         raise DamagedCheckpointError(f"its {BUNDLE_ITEM!r} item is not a loopax checkpoint description")
     if bundle.get("version") != VERSION or bundle.get("global_step") != step:
@@ -105,26 +110,29 @@ def set_aside_entries(directory: Path) -> list[str]:
     return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
 
-def read_newest_good(manager: Any, ocp: Any, directory: Path) -> tuple[int, dict, dict] | None:
+def read_newest_good(
+    manager: Any, ocp: Any, directory: Path, *, move_damaged: bool = True, stacklevel: int = 4
+) -> tuple[int, dict, dict] | None:
     """`(step, state, bundle)` of the newest good checkpoint, or None when none is.
 
-    Every newer damaged one is moved to `<directory>/damaged/` with a warning naming it and
-    why.
+    Every newer damaged one draws a warning naming it and why, and is moved to
+    `<directory>/damaged/` (with `move_damaged`; else left where it is, for a reader).
     """
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             state, bundle = read(manager, ocp, step)
         except Exception as err:  # any failure to read makes it unusable: fall back
-            moved = set_aside(directory, step)
+            moved = set_aside(directory, step) if move_damaged else None
             kept = f"moved to {str(moved)!r}" if moved else "left in place"
             warnings.warn(
                 f"checkpoint {str(directory / str(step))!r} is damaged "
-                f"({type(err).__name__}: {err}); falling back to the next newest. It was "
-                f"not deleted: it was {kept}",
+                f"({type(err).__name__}: {err}); falling back: reading the next newest. "
+                f"It was not deleted: it was {kept}",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
-            manager.reload()
+            if move_damaged:  # on every process: process 0 moved it
+                manager.reload()
             continue
         return step, state, bundle
     return None
@@ -136,10 +144,10 @@ def read_metric_values(manager: Any, ocp: Any, metric: str) -> dict[int, float]:
     values = {}
     for step in manager.all_steps():
         try:
-            bundle = manager.restore(
-                step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
-            )[BUNDLE_ITEM]
+            bundle = read_bundle(manager, ocp, step)
         except Exception:  # noqa: BLE001 - an unreadable one is no candidate
+            continue
+        if not isinstance(bundle, dict):
             continue
         value = (bundle.get("best_metric") or {}).get(metric)
         if value is not None:

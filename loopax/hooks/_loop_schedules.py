@@ -218,8 +218,8 @@ class Periodic(ClockSchedule):
     """
 
     def __init__(self, period_seconds: float, clock: Callable[[], float] = time.monotonic):
-        self.rule = PeriodicRule(period_seconds)
-        super().__init__(self.rule.period_seconds, clock, fire_first=False)
+        period_seconds = PeriodicRule(period_seconds).period_seconds  # checks it
+        super().__init__(period_seconds, clock, fire_first=False)
 
     def __repr__(self) -> str:
         return f"periodic_callback({self.period_seconds:g}s)"

@@ -166,13 +166,11 @@ class Plotter(MetricWriter):
                 pending.append(future)
         self._renders = pending
 
-    def wait(self) -> None:
-        """Waits until the PNGs of the points so far are written."""
-        self._check_renders(wait=True)
+    wait = flush
 
     def render(self) -> list[str]:
         """Renders the PNGs of all points now, in this thread; returns their paths."""
-        self.wait()
+        self.flush()
         self.png_paths = render_plots(self.points, self.directory)
         return self.png_paths
 

@@ -12,7 +12,6 @@ fires every 1000 steps costs nothing on the other 999.
 
 from __future__ import annotations
 
-import numbers
 import time
 from typing import Any, Callable, Iterable
 
@@ -31,20 +30,10 @@ from ._loop_schedules import (
 StepFn = Callable[[Loop, Any], Any]
 
 
-def _check_hook_args(name: object, fn: object) -> None:
+def _check_name(name: object) -> None:
+    # The hook is registered as "<schedule>: name", a non-empty str whatever `name` is.
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {name!r} of type {type(name).__name__}")
-    if not callable(fn):
-        raise TypeError(f"fn for hook {name!r} must be callable as fn(loop, metrics), got {fn!r}")
-
-
-def _check_priority(name: str, priority: object) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-        raise TypeError(
-            f"hook {name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
-            f"got {priority!r}"
-        )
-    return int(priority)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -58,12 +47,15 @@ def on_schedule(
     *,
     call_on_end: bool = False,
     priority: int = Priority.DEFAULT,
+    check_finite: bool | None = None,
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at the steps of `when` (any schedule, e.g. combined with `|`).
+    """Calls `fn(loop, metrics)` at the steps of `when` (any schedule, e.g. combined with `|`;
+    an epoch schedule such as `EveryNEpochs` at the epoch ends it picks).
 
     The hook is named `"<schedule>: name"`. With `call_on_end` it also runs once in OnEnd,
     unconditionally. Hooks of priority >= `Priority.CHECKPOINT` check every loss so far is
-    finite before they run, only on the steps they fire.
+    finite before they run, only on the steps they fire (`check_finite` overrides it, as
+    for `loop.on_step`).
 
     Args:
       loop: the `loopax.Loop`.
@@ -72,9 +64,10 @@ def on_schedule(
       fn: `fn(loop, metrics)`.
       call_on_end: also call `fn` in OnEnd.
       priority: the hook's priority (see `loopax.Priority`).
+      check_finite: as for `loop.on_step`.
 
     Returns:
-      The OnStep `Hook` (its `schedule` is `when`).
+      The OnStep (or OnEpochEnd) `Hook` (its `schedule` is `when`).
 
     Example:
       >>> from loopax.hooks import EveryNSteps, AtSteps
@@ -84,14 +77,12 @@ def on_schedule(
       >>> on_schedule(loop, EveryNSteps(100) | AtSteps([1, 10]), "log", print).name
       'every_n_steps(100) | at_steps(1, 10): log'
     """
-    _check_hook_args(name, fn)
-    priority = _check_priority(name, priority)
-    if when.at_epoch_end:
-        hook = loop.on_epoch_end(f"{when!r}: {name}", fn, priority, when=when)
-    else:
-        hook = loop.on_step(f"{when!r}: {name}", fn, priority, when=when)
+    _check_name(name)
+    # The registration checks `when`, `fn` and `priority`, and names what was wrong.
+    register = loop.on_epoch_end if getattr(when, "at_epoch_end", False) else loop.on_step
+    hook = register(f"{when!r}: {name}", fn, priority, when=when, check_finite=check_finite)
     if call_on_end:
-        loop.on_end(hook.name, fn, priority)
+        loop.on_end(hook.name, fn, priority, check_finite=check_finite)
     return hook
 
 
@@ -116,7 +107,6 @@ def every_n_steps(
     Raises:
       ValueError: if `n` is not a positive int.
     """
-    _check_hook_args(name, fn)
     return on_schedule(loop, EveryNSteps(n), name, fn, priority=priority)
 
 
@@ -139,7 +129,6 @@ def n_times_during_loop(
     Raises:
       ValueError: if `n` is not a positive int.
     """
-    _check_hook_args(name, fn)
     return on_schedule(loop, NTimes(n), name, fn, priority=priority)
 
 
@@ -170,7 +159,6 @@ def periodic_callback(
     Raises:
       ValueError: if `period_seconds` is not a finite number > 0.
     """
-    _check_hook_args(name, fn)
     return on_schedule(
         loop, Periodic(period_seconds, clock), name, fn, call_on_end=call_on_end, priority=priority
     )
@@ -205,7 +193,6 @@ def exponential_callback(
     Raises:
       ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
     """
-    _check_hook_args(name, fn)
     return on_schedule(
         loop, Exponential(start_step, factor), name, fn, call_on_end=call_on_end,
         priority=priority,
@@ -224,7 +211,6 @@ def at_steps(
     Raises:
       ValueError: `steps` is empty or not positive ints.
     """
-    _check_hook_args(name, fn)
     return on_schedule(loop, AtSteps(steps), name, fn, priority=priority)
 
 
@@ -246,7 +232,6 @@ def first_n_steps(
     Raises:
       ValueError: `n` is not a positive int.
     """
-    _check_hook_args(name, fn)
     return on_schedule(loop, FirstNSteps(n, of_process=of_process), name, fn, priority=priority)
 
 
@@ -265,5 +250,4 @@ def every_n_epochs(
     Raises:
       ValueError: `n` is not a positive int.
     """
-    _check_hook_args(name, fn)
     return on_schedule(loop, EveryNEpochs(n), name, fn, priority=priority)

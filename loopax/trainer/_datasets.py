@@ -3,7 +3,7 @@ datasets shares; iterables (grain's too) are in `_iterables`."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -196,7 +196,6 @@ def _is_empty(labels: Any) -> bool:
     return labels is None or (isinstance(labels, (list, tuple)) and len(labels) == 0)
 
 
-# The accepted forms of an iterable's element, as errors state them.
 def as_list(arrays: Any) -> list[Any]:
     """One array, a sequence of arrays, or None -> a list (a list is returned as is)."""
     if type(arrays) is list:
@@ -206,7 +205,6 @@ def as_list(arrays: Any) -> list[Any]:
     if isinstance(arrays, (list, tuple)):
         return list(arrays)
     return [arrays]
-
 
 
 def dataset_name(dataset: Any) -> str:
@@ -236,3 +234,26 @@ def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
         "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
         "accepts both"
     )
+
+
+def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
+    """Every batch `dataset` yields from where it is, each checked to be `(spec, inputs,
+    labels)`.
+
+    Raises:
+      ValueError: a batch is not `(spec, inputs, labels)`.
+      RuntimeError: the dataset raised (the message names it and `during`).
+    """
+    while True:
+        try:
+            batch = dataset.yield_batch()
+        except StopIteration:
+            return
+        except Exception as err:
+            raise RuntimeError(
+                f"dataset {getattr(dataset, 'name', dataset)!r} failed during {during}: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if type(batch) is not tuple or len(batch) != 3:
+            raise bad_batch_error(dataset, batch)
+        yield batch

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import jax
 
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
-from ._datasets import Dataset, as_list, bad_batch_error
+from ._datasets import Dataset, as_list, read_batches
 from ._iterables import evaluation_dataset
 from ._inflight import InFlight
 
@@ -126,18 +126,7 @@ class EvalSteps:
         self.reset_eval_metrics()
         in_flight = InFlight()
         values = None
-        while True:
-            try:
-                batch = dataset.yield_batch()
-            except StopIteration:
-                break
-            except Exception as err:
-                raise RuntimeError(
-                    f"dataset {getattr(dataset, 'name', dataset)!r} failed during evaluation: "
-                    f"{type(err).__name__}: {err}"
-                ) from err
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
+        for batch in read_batches(dataset, "evaluation"):
             values = self.eval_step(*batch)
             in_flight.push(values["mean_loss"])
         if values is None:

@@ -249,14 +249,15 @@ class HookRegistry:
                 if hook.schedule is not None:
                     yield hook
 
+    def _step_scheduled(self) -> Iterator[Hook]:
+        """The OnStep hooks whose schedule names its next step (not asked every step)."""
+        return (h for h in self._hooks["OnStep"] if not h.every_step)
+
     def _reschedule(self) -> None:
         """Asks every step schedule for its next step from the current one."""
-        wake = NEVER
-        for hook in self._hooks["OnStep"]:
-            if hook.schedule is not None and not hook.schedule.checks_every_step:
-                hook.next = hook.schedule.next_step(self, self.loop_step)
-                wake = min(wake, hook.next)
-        self._wake_step = wake
+        for hook in self._step_scheduled():
+            hook.next = hook.schedule.next_step(self, self.loop_step)
+        self._wake_step = min((h.next for h in self._step_scheduled()), default=NEVER)
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
@@ -293,11 +294,7 @@ class HookRegistry:
                 if self._rewound:
                     return
                 self._visit(hook, metrics, step)
-            self._wake_step = min(
-                (h.next for h in self._hooks["OnStep"]
-                 if h.schedule is not None and not h.schedule.checks_every_step),
-                default=NEVER,
-            )
+            self._wake_step = min((h.next for h in self._step_scheduled()), default=NEVER)
         else:
             for hook in self._every_step:
                 if self._rewound:

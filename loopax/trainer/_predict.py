@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ._datasets import as_list, bad_batch_error
+from ._datasets import as_list, read_batches
+from ._iterables import is_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor
@@ -78,7 +79,7 @@ class Predict:
                 "checkpoint (hooks.checkpoint), or give init_params= to the Trainer"
             )
         devices = self._local_devices
-        if callable(getattr(x, "yield_batch", None)):
+        if is_dataset(x):
             parts = self._predict_dataset(x, devices)
         else:
             inputs = [np.asarray(a) for a in as_list(x)]
@@ -106,14 +107,8 @@ class Predict:
     def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:
         dataset.reset()
         parts = []
-        while True:
-            try:
-                batch = dataset.yield_batch()
-            except StopIteration:
-                return parts
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
-            batch_spec, inputs, _ = batch
+        for batch_spec, inputs, _ in read_batches(dataset, "prediction"):
             inputs = [np.asarray(a) for a in as_list(inputs)]
             size = math.ceil(int(inputs[0].shape[0]) / devices) * devices
             parts.append(self._predict_batch(batch_spec, inputs, size))
+        return parts
