@@ -14,8 +14,9 @@ import inspect
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -73,7 +74,7 @@ WORKLOADS = {w.name: w for w in (TINY, MEDIUM)}
 
 
 def loss_fn(labels: list, predictions: list) -> jax.Array:
-    """loopax loss: softmax cross-entropy with integer labels (per example)."""
+    """Loopax loss: softmax cross-entropy with integer labels (per example)."""
     return optax.softmax_cross_entropy_with_integer_labels(predictions[0], labels[0])
 
 
@@ -96,10 +97,13 @@ def make_batches(
 
 def host_arrays(batches: Sequence[Batch], steps: int) -> tuple[np.ndarray, np.ndarray]:
     """The inputs and labels of `steps` cycled batches as two numpy arrays, in order: the
-    data as a Keras or loopax user holds it before training (on the host)."""
+    data as a Keras or loopax user holds it before training (on the host).
+    """
     order = [batches[index % len(batches)] for index in range(steps)]
-    return (np.concatenate([np.asarray(batch[1][0]) for batch in order]),
-            np.concatenate([np.asarray(batch[2][0]) for batch in order]))
+    return (
+        np.concatenate([np.asarray(batch[1][0]) for batch in order]),
+        np.concatenate([np.asarray(batch[2][0]) for batch in order]),
+    )
 
 
 class CyclingDataset:
@@ -126,7 +130,8 @@ class CyclingDataset:
 def _hand_written_step(workload: Workload, axis_name: str | None, moving_average: bool = False):
     """A step `(state, x, y) -> (state, loss)`; with `moving_average`, the state also keeps
     the loss's moving average as `Trainer.train_step` does (weight `max(0.01, 1/count)`)
-    and the step returns `(loss, average)`: what every loopax step computes beyond it."""
+    and the step returns `(loss, average)`: what every loopax step computes beyond it.
+    """
     model = workload.module()
     optimizer = workload.optimizer()
 
@@ -196,13 +201,17 @@ def hand_written(
     workload: Workload, batches: Sequence[Batch], steps: int, moving_average: bool = False
 ) -> Run:
     """The baseline: a jitted step with donated state, as a careful user writes it
-    (`moving_average`: keeping the loss's moving average too, see `_hand_written_step`)."""
+    (`moving_average`: keeping the loss's moving average too, see `_hand_written_step`).
+    """
     step, init = _hand_written_step(workload, None, moving_average)
     return _cycle(jax.jit(step, donate_argnums=0), init(batches[0][1][0]), batches, steps, None)
 
 
 def hand_written_shard_map(
-    workload: Workload, batches: Sequence[Batch], steps: int, devices: Sequence[Any],
+    workload: Workload,
+    batches: Sequence[Batch],
+    steps: int,
+    devices: Sequence[Any],
     in_flight: int = 4,
 ) -> Run:
     """The data-parallel baseline: `jax.jit(jax.shard_map(step))` over a 1-D mesh,
@@ -222,8 +231,9 @@ def hand_written_shard_map(
         jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())),
         donate_argnums=0,
     )
-    state = jax.device_put(init(np.asarray(batches[0][1][0][:1])),
-                           jax.sharding.NamedSharding(mesh, P()))
+    state = jax.device_put(
+        init(np.asarray(batches[0][1][0][:1])), jax.sharding.NamedSharding(mesh, P())
+    )
     return _cycle(stepped, state, batches, steps, in_flight)
 
 
@@ -259,12 +269,16 @@ def loopax_loop(
     dataset: Any = None,
     model: Any = None,
 ) -> Run:
-    """loopax's `Loop.run_steps` over the cycling batches (or over `dataset`, e.g. an
+    """Loopax's `Loop.run_steps` over the cycling batches (or over `dataset`, e.g. an
     `ArrayDataset` of numpy arrays), with `attach(loop)` hooks, training `model` (a model
-    function, a Linen or an NNX module; default: the workload's model function)."""
+    function, a Linen or an NNX module; default: the workload's model function).
+    """
     trainer = loopax.Trainer(
-        workload.model_fn if model is None else model, loss_fn, workload.optimizer(),
-        devices=list(devices) if devices is not None else jax.devices()[:1], parallel=parallel,
+        workload.model_fn if model is None else model,
+        loss_fn,
+        workload.optimizer(),
+        devices=list(devices) if devices is not None else jax.devices()[:1],
+        parallel=parallel,
     )
     loop = loopax.Loop(trainer)
     if attach is not None:
@@ -318,7 +332,10 @@ class Timings:
 
 
 def interleave(
-    candidates: dict[str, Run], steps: int, rounds: int, warmup: int = 1,
+    candidates: dict[str, Run],
+    steps: int,
+    rounds: int,
+    warmup: int = 1,
     on_round: Callable[[int], None] | None = None,
 ) -> Timings:
     """Runs every candidate once per round, rotating the order; returns the timings.
@@ -376,10 +393,14 @@ def readme_hooks(
 
 def split_end_of_run(loop_run: Callable[[], None], loop: Any) -> Callable[[], dict[str, float]]:
     """Times `loop_run` whole and up to its first OnEnd hook (all steps done, before the
-    end-of-run checkpoint save and the other hooks' end work)."""
+    end-of-run checkpoint save and the other hooks' end work).
+    """
     marks: list[float] = []
-    loop.on_end("benchmark: steps done", lambda loop, metrics: marks.append(time.perf_counter()),
-                priority=-(10**9))
+    loop.on_end(
+        "benchmark: steps done",
+        lambda loop, metrics: marks.append(time.perf_counter()),
+        priority=-(10**9),
+    )
 
     def run() -> dict[str, float]:
         started = time.perf_counter()

@@ -31,10 +31,18 @@ def make_model(width: int):
 
 
 def measure(width: int, async_save: bool, saves: int, every: int, gap: float) -> dict:
-    trainer = loopax.Trainer(make_model(width), loopax.losses.mean_squared_error,
-                             optax.sgd(1e-3), devices=jax.devices()[:1])
-    data = loopax.ArrayDataset(np.ones((8, width), np.float32), np.ones((8, width), np.float32),
-                               batch_size=8, loop_forever=True)
+    trainer = loopax.Trainer(
+        make_model(width),
+        loopax.losses.mean_squared_error,
+        optax.sgd(1e-3),
+        devices=jax.devices()[:1],
+    )
+    data = loopax.ArrayDataset(
+        np.ones((8, width), np.float32),
+        np.ones((8, width), np.float32),
+        batch_size=8,
+        loop_forever=True,
+    )
     loop = loopax.Loop(trainer)
     loop.run_steps(data, 1)  # compile outside the measurement
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(trainer.state))
@@ -49,7 +57,9 @@ def measure(width: int, async_save: bool, saves: int, every: int, gap: float) ->
             checkpointer.save(metrics)
             blocked.append(time.perf_counter() - started)
 
-        hooks.every_n_steps(loop, every, "timed save", timed_save, priority=loopax.Priority.CHECKPOINT)
+        hooks.every_n_steps(
+            loop, every, "timed save", timed_save, priority=loopax.Priority.CHECKPOINT
+        )
         loop.run_steps(data, saves * every - 1)  # the last save is the end-of-run one
         checkpointer.close()
     return {
@@ -66,20 +76,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--gap", type=float, default=1.0,
-                        help="seconds of (simulated) training before each save")
+    parser.add_argument(
+        "--gap", type=float, default=1.0, help="seconds of (simulated) training before each save"
+    )
     args = parser.parse_args()
     rows = []
     for width in (4, 5000):
         for gap in (args.gap, 0.0):
             for async_save in (True, False):
                 rows.append(measure(width, async_save, args.saves, args.every, gap))
-    print(f"device: {jax.devices()[0].device_kind}; a save every {args.every} steps, "
-          f"{args.saves} saves; 'gap' = seconds of training before each save")
+    print(
+        f"device: {jax.devices()[0].device_kind}; a save every {args.every} steps, "
+        f"{args.saves} saves; 'gap' = seconds of training before each save"
+    )
     print(f"{'state':>10} {'gap':>5} {'mode':>6} {'blocked/save (median)':>22} {'max':>10}")
     for row in rows:
-        print(f"{row['state_mb']:>8.2f}MB {row['gap_s']:>4.1f}s {row['mode']:>6} "
-              f"{row['blocked_ms']:>19.1f} ms {row['max_blocked_ms']:>7.1f} ms")
+        print(
+            f"{row['state_mb']:>8.2f}MB {row['gap_s']:>4.1f}s {row['mode']:>6} "
+            f"{row['blocked_ms']:>19.1f} ms {row['max_blocked_ms']:>7.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ Run: python benchmarks/bench_nnx.py [--workload tiny] [--steps 4096] [--rounds 7
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import optax
-from flax import nnx
-
 from _common import (
     WORKLOADS,
     Batch,
@@ -32,6 +31,7 @@ from _common import (
     loopax_loop,
     make_batches,
 )
+from flax import nnx
 
 NNX_JIT = "hand-written nnx.jit step (Flax docs), NNX"
 NNX_LOOPAX = "loopax Loop, bare, NNX module"
@@ -41,8 +41,12 @@ class Mlp(nnx.Module):
     """The workload's MLP as an NNX module: `nnx.Linear` layers, `nnx.relu` between them."""
 
     def __init__(self, dims: Sequence[int], *, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(features_in, features_out, rngs=rngs)
-                                for features_in, features_out in zip(dims[:-1], dims[1:])])
+        self.layers = nnx.List(
+            [
+                nnx.Linear(features_in, features_out, rngs=rngs)
+                for features_in, features_out in zip(dims[:-1], dims[1:])
+            ]
+        )
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
@@ -57,7 +61,8 @@ def nnx_mlp(workload: Workload) -> Mlp:
 def nnx_jit(workload: Workload, batches: Sequence[Batch], steps: int) -> Run:
     """The train step of Flax's NNX docs, `nnx.jit` over the module and its optimizer,
     cycled over `batches` like the hand-written `jax.jit` baseline (no wait before the
-    round's end)."""
+    round's end).
+    """
     model = nnx_mlp(workload)
     optimizer = nnx.Optimizer(model, workload.optimizer(), wrt=nnx.Param)
 
@@ -79,15 +84,16 @@ def nnx_jit(workload: Workload, batches: Sequence[Batch], steps: int) -> Run:
 
 
 def loopax_nnx(workload: Workload, batches: Sequence[Batch], steps: int) -> Run:
-    """loopax's bare Loop training the same NNX module (`loopax.Trainer(module, ...)`)."""
+    """Loopax's bare Loop training the same NNX module (`loopax.Trainer(module, ...)`)."""
     return loopax_loop(workload, batches, steps, model=nnx_mlp(workload))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps per round (default: 4096 tiny, 512 medium)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per round (default: 4096 tiny, 512 medium)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
@@ -102,12 +108,16 @@ def main() -> None:
     timings = interleave(candidates, steps, args.rounds)
     print(f"{workload.name}: {workload.description}, {steps} steps x {args.rounds} rounds")
     for name in candidates:
-        print(f"  {name:44} {timings.rate(name):9.0f} steps/s  "
-              f"{timings.ratio(name, reference):.3f} ± {timings.spread(name, reference):.3f}")
+        print(
+            f"  {name:44} {timings.rate(name):9.0f} steps/s  "
+            f"{timings.ratio(name, reference):.3f} ± {timings.spread(name, reference):.3f}"
+        )
     ratio = timings.ratio(NNX_LOOPAX, NNX_JIT)
-    print(f"  NNX through loopax vs hand-written nnx.jit   {ratio:.3f} ± "
-          f"{timings.spread(NNX_LOOPAX, NNX_JIT):.3f}  target >= 0.97  "
-          f"{'PASS' if ratio >= 0.97 else 'FAIL'}")
+    print(
+        f"  NNX through loopax vs hand-written nnx.jit   {ratio:.3f} ± "
+        f"{timings.spread(NNX_LOOPAX, NNX_JIT):.3f}  target >= 0.97  "
+        f"{'PASS' if ratio >= 0.97 else 'FAIL'}"
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SECTIONS = ("tiny", "medium", "devices", "keras")
 DEVICE_COUNT = 4
@@ -90,15 +91,16 @@ PMAP = 'loopax parallel="pmap"'
 NNX_TARGET = 0.97  # issue 12, on both workloads
 
 
-
 # -- candidates ---------------------------------------------------------------------------
 
 
-def keras_fit(workload: Any, batches: list, steps: int, steps_per_execution: int,
-              host: bool = False):
+def keras_fit(
+    workload: Any, batches: list, steps: int, steps_per_execution: int, host: bool = False
+):
     """Keras 3 `fit` (JAX backend) of the same network on the same batches, one epoch of
     `steps` steps per round; `host=True` passes them as numpy arrays (Keras's usual input)
-    instead of device arrays. Returns the run, or None and why Keras cannot run."""
+    instead of device arrays. Returns the run, or None and why Keras cannot run.
+    """
     os.environ["KERAS_BACKEND"] = "jax"
     try:
         import keras  # noqa: PLC0415
@@ -106,9 +108,8 @@ def keras_fit(workload: Any, batches: list, steps: int, steps_per_execution: int
         return None, "n/a (keras missing: pip install -r benchmarks/requirements.txt)"
     if keras.backend.backend() != "jax":
         return None, f"n/a (keras was imported with the {keras.backend.backend()} backend)"
-    import jax.numpy as jnp  # noqa: PLC0415
-
     import _common  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
 
     layers = [keras.Input((workload.dims[0],))]
     layers += [keras.layers.Dense(width, activation="relu") for width in workload.dims[1:-1]]
@@ -149,20 +150,32 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
     # Registered before the checkpoint hook's own atexit wait, so it runs after it.
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     if loopax_rows:
-        candidates[REFERENCE_AVERAGE] = _common.hand_written(workload, batches, steps,
-                                                             moving_average=True)
+        candidates[REFERENCE_AVERAGE] = _common.hand_written(
+            workload, batches, steps, moving_average=True
+        )
         candidates[BARE] = _common.loopax_loop(workload, batches, steps)
-        candidates[NOOP] = _common.loopax_loop(workload, batches, steps, attach=_common.noop_hooks(5))
+        candidates[NOOP] = _common.loopax_loop(
+            workload, batches, steps, attach=_common.noop_hooks(5)
+        )
         candidates[bench_nnx.NNX_JIT] = bench_nnx.nnx_jit(workload, batches, steps)
         candidates[bench_nnx.NNX_LOOPAX] = bench_nnx.loopax_nnx(workload, batches, steps)
         readme_rows: list[tuple[str, dict, Any]] = [
-            (README, {}, None), (FREQUENT_SAVES, {"every_n_steps": 1000}, None)]
+            (README, {}, None),
+            (FREQUENT_SAVES, {"every_n_steps": 1000}, None),
+        ]
         if keras_rows:  # the README hooks fed from numpy, to pair with Keras fed numpy
             import loopax  # noqa: PLC0415
 
             x, y = _common.host_arrays(batches, steps)
-            readme_rows.append((README_HOST, {}, loopax.ArrayDataset(
-                x, y, workload.batch_size, shuffle=False, loop_forever=True)))
+            readme_rows.append(
+                (
+                    README_HOST,
+                    {},
+                    loopax.ArrayDataset(
+                        x, y, workload.batch_size, shuffle=False, loop_forever=True
+                    ),
+                )
+            )
         for row, kwargs, dataset in readme_rows:
             attach, why = _common.readme_hooks(directory / row.split()[-1], **kwargs)
             if attach is None:
@@ -174,29 +187,53 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
                 attach(loop)
                 captured["loop"] = loop
 
-            loop_run = _common.loopax_loop(workload, batches, steps, attach=attach_and_keep,
-                                           dataset=dataset)
+            loop_run = _common.loopax_loop(
+                workload, batches, steps, attach=attach_and_keep, dataset=dataset
+            )
             candidates[row] = _common.split_end_of_run(loop_run, captured["loop"])
     if keras_rows:
-        for row, spe, host in ((KERAS.format(1), 1, False), (KERAS.format(32), 32, False),
-                               (KERAS_HOST, 1, True)):
+        for row, spe, host in (
+            (KERAS.format(1), 1, False),
+            (KERAS.format(32), 32, False),
+            (KERAS_HOST, 1, True),
+        ):
             run, why = keras_fit(workload, batches, steps, spe, host)
             if run is None:
                 unavailable[row] = why
             else:
                 candidates[row] = run
-    progress(f"{name}: {workload.description}; {steps} steps x {args.rounds} rounds, "
-             f"{len(candidates)} candidates")
-    timings = _common.interleave(candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick],
-                                 on_round=round_progress(name))
+    progress(
+        f"{name}: {workload.description}; {steps} steps x {args.rounds} rounds, "
+        f"{len(candidates)} candidates"
+    )
+    timings = _common.interleave(
+        candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick], on_round=round_progress(name)
+    )
     rows = [(REFERENCE, timings.rate(REFERENCE), 1.0, 0.0)]
-    for row in (REFERENCE_AVERAGE, BARE, NOOP, README, README + "whole", FREQUENT_SAVES,
-                bench_nnx.NNX_JIT, bench_nnx.NNX_LOOPAX, KERAS.format(1), KERAS.format(32),
-                README_HOST, KERAS_HOST):
+    for row in (
+        REFERENCE_AVERAGE,
+        BARE,
+        NOOP,
+        README,
+        README + "whole",
+        FREQUENT_SAVES,
+        bench_nnx.NNX_JIT,
+        bench_nnx.NNX_LOOPAX,
+        KERAS.format(1),
+        KERAS.format(32),
+        README_HOST,
+        KERAS_HOST,
+    ):
         label = README_WHOLE if row == README + "whole" else row
         if row in timings.seconds:
-            rows.append((label, timings.rate(row), timings.ratio(row, REFERENCE),
-                         timings.spread(row, REFERENCE)))
+            rows.append(
+                (
+                    label,
+                    timings.rate(row),
+                    timings.ratio(row, REFERENCE),
+                    timings.spread(row, REFERENCE),
+                )
+            )
         elif row in unavailable:
             rows.append((label, unavailable[row]))
     # Issues 13 (tiny) and 12 (both) set targets between candidates other than the
@@ -206,14 +243,20 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
     for label, own, other, target in (
         ("README hooks vs the bare Loop", README, BARE, issue_13),
         ("bare Loop vs hand-written with the same outputs", BARE, REFERENCE_AVERAGE, issue_13),
-        ("NNX through loopax vs hand-written nnx.jit", bench_nnx.NNX_LOOPAX, bench_nnx.NNX_JIT,
-         NNX_TARGET),
+        (
+            "NNX through loopax vs hand-written nnx.jit",
+            bench_nnx.NNX_LOOPAX,
+            bench_nnx.NNX_JIT,
+            NNX_TARGET,
+        ),
     ):
         if own in timings.seconds and other in timings.seconds:
             pairs.append((label, timings.ratio(own, other), timings.spread(own, other), target))
     versus_keras = []
-    for label, own, keras in (("device arrays", README, KERAS.format(1)),
-                              ("numpy arrays", README_HOST, KERAS_HOST)):
+    for label, own, keras in (
+        ("device arrays", README, KERAS.format(1)),
+        ("numpy arrays", README_HOST, KERAS_HOST),
+    ):
         if own in timings.seconds and keras in timings.seconds:
             versus_keras.append((label, timings.ratio(own, keras), timings.spread(own, keras)))
     return {
@@ -227,9 +270,8 @@ def workload_section(name: str, args: argparse.Namespace, loopax_rows: bool, ker
 
 def devices_worker(args: argparse.Namespace) -> None:
     """In the 4-device subprocess: both workloads, data-parallel; prints JSON."""
-    import jax  # noqa: PLC0415
-
     import _common  # noqa: PLC0415
+    import jax  # noqa: PLC0415
 
     devices = jax.devices()[:DEVICE_COUNT]
     if len(devices) != DEVICE_COUNT:
@@ -245,18 +287,34 @@ def devices_worker(args: argparse.Namespace) -> None:
             SHARD_MAP: _common.loopax_loop(workload, batches, steps, devices=devices),
             PMAP: _common.loopax_loop(workload, batches, steps, devices=devices, parallel="pmap"),
         }
-        progress(f"devices/{name}: {workload.description} on {DEVICE_COUNT} CPU devices; "
-                 f"{steps} steps x {args.rounds} rounds")
-        timings = _common.interleave(candidates, steps, args.rounds, WARMUP_ROUNDS[args.quick],
-                                     on_round=round_progress(f"devices/{name}"))
-        rows = [(row, timings.rate(row), timings.ratio(row, DEVICE_REFERENCE),
-                 timings.spread(row, DEVICE_REFERENCE)) for row in candidates]
+        progress(
+            f"devices/{name}: {workload.description} on {DEVICE_COUNT} CPU devices; "
+            f"{steps} steps x {args.rounds} rounds"
+        )
+        timings = _common.interleave(
+            candidates,
+            steps,
+            args.rounds,
+            WARMUP_ROUNDS[args.quick],
+            on_round=round_progress(f"devices/{name}"),
+        )
+        rows = [
+            (
+                row,
+                timings.rate(row),
+                timings.ratio(row, DEVICE_REFERENCE),
+                timings.spread(row, DEVICE_REFERENCE),
+            )
+            for row in candidates
+        ]
         rows[0] = (DEVICE_REFERENCE, rows[0][1], 1.0, 0.0)
-        sections.append({
-            "title": f"{DEVICE_COUNT} devices, {name}: {workload.description} (global batch), "
-                     f"{steps} steps x {args.rounds} rounds",
-            "rows": rows,
-        })
+        sections.append(
+            {
+                "title": f"{DEVICE_COUNT} devices, {name}: {workload.description} (global batch), "
+                f"{steps} steps x {args.rounds} rounds",
+                "rows": rows,
+            }
+        )
     print("DEVICES-JSON " + json.dumps(sections), flush=True)
 
 
@@ -272,7 +330,7 @@ def devices_section(args: argparse.Namespace) -> list[dict]:
     result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
     for line in result.stdout.splitlines():
         if line.startswith("DEVICES-JSON "):
-            return json.loads(line[len("DEVICES-JSON "):])
+            return json.loads(line[len("DEVICES-JSON ") :])
     why = f"n/a (the {DEVICE_COUNT}-device subprocess failed with exit code {result.returncode})"
     return [{"title": f"{DEVICE_COUNT} devices", "rows": [(DEVICE_REFERENCE, why)]}]
 
@@ -329,13 +387,19 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
     print(f"date:     {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(f"machine:  {machine()}")
     load_after = os.getloadavg()
-    print(f"load:     {load_before[0]:.2f} at start, {load_after[0]:.2f} at end "
-          "(1-minute load average; > cores means shared, noisy timings)")
-    print(f"versions: python {platform.python_version()}, jax {jax.__version__} "
-          f"({jax.default_backend()}), flax {version('flax')}, optax {version('optax')}, "
-          f"keras {version('keras')}, loopax {version('loopax')}")
-    print("ratio:    steps/s relative to the section's reference (first row), median of paired "
-          "per-round ratios, ± half their interquartile range")
+    print(
+        f"load:     {load_before[0]:.2f} at start, {load_after[0]:.2f} at end "
+        "(1-minute load average; > cores means shared, noisy timings)"
+    )
+    print(
+        f"versions: python {platform.python_version()}, jax {jax.__version__} "
+        f"({jax.default_backend()}), flax {version('flax')}, optax {version('optax')}, "
+        f"keras {version('keras')}, loopax {version('loopax')}"
+    )
+    print(
+        "ratio:    steps/s relative to the section's reference (first row), median of paired "
+        "per-round ratios, ± half their interquartile range"
+    )
     width = 48
     for key, section in sections:
         print()
@@ -346,10 +410,15 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
                 print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
                 continue
             label, rate, ratio, spread = row
-            ratio_text = f"{ratio:.3f} ± {spread:.3f}" if label not in (REFERENCE, DEVICE_REFERENCE) \
+            ratio_text = (
+                f"{ratio:.3f} ± {spread:.3f}"
+                if label not in (REFERENCE, DEVICE_REFERENCE)
                 else "1 (reference)"
-            print(f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
-                  f"{target_of(key, label, ratio, spread)}")
+            )
+            print(
+                f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
+                f"{target_of(key, label, ratio, spread)}"
+            )
         for label, ratio, spread, target in section.get("pairs", ()):
             text = f"{ratio:.3f} ± {spread:.3f}"
             goal = f">= {target}  {mark(ratio >= target)}" if target is not None else ""
@@ -371,9 +440,12 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run")
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help="comma-separated sections among tiny, medium, devices, keras "
-                             "(keras alone runs the Keras rows on both workloads)")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help="comma-separated sections among tiny, medium, devices, keras "
+        "(keras alone runs the Keras rows on both workloads)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -386,8 +458,9 @@ def main() -> None:
     only = {part.strip() for part in args.only.split(",") if part.strip()}
     unknown = only - set(SECTIONS)
     if unknown or not only:
-        parser.error(f"--only takes a comma-separated subset of {', '.join(SECTIONS)}; "
-                     f"got {args.only!r}")
+        parser.error(
+            f"--only takes a comma-separated subset of {', '.join(SECTIONS)}; got {args.only!r}"
+        )
     started = time.perf_counter()
     load_before = os.getloadavg()
     workloads = [name for name in ("tiny", "medium") if name in only]

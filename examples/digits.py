@@ -29,8 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default="runs/digits", help="checkpoints, logs and plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", choices=("mlp", "nnx"), default="mlp",
-                        help="mlp: a model function (Linen layers); nnx: a flax.nnx CNN module")
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "nnx"),
+        default="mlp",
+        help="mlp: a model function (Linen layers); nnx: a flax.nnx CNN module",
+    )
     return parser.parse_args(argv)
 
 
@@ -67,7 +71,8 @@ def model_fn(ctx, spec, inputs):
 
 def nnx_cnn(seed: int):
     """Flax NNX's MNIST CNN (its documented example), sized for 8x8 digits: two convolutions
-    with BatchNorm and dropout, average pooling, two linear layers."""
+    with BatchNorm and dropout, average pooling, two linear layers.
+    """
     from functools import partial
 
     from flax import nnx
@@ -135,7 +140,9 @@ def main(argv: list[str] | None = None) -> float:
     )
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(
-        loop, os.path.join(args.dir, "checkpoints"), every_n_steps=500,
+        loop,
+        os.path.join(args.dir, "checkpoints"),
+        every_n_steps=500,
         best_metric="eval/val/mean_loss",
     )
     if trainer.global_step > 0:

@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def records(inputs, labels) -> list[dict]:
     """One grain record per example; batching stacks them into {"inputs", "labels"} arrays,
-    a form loopax reads as it is."""
+    a form loopax reads as it is.
+    """
     return [{"inputs": image, "labels": label} for image, label in zip(inputs, labels)]
 
 

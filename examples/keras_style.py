@@ -33,19 +33,32 @@ def main(argv: list[str] | None = None) -> float:
 
     x, y = load_digits(return_X_y=True)
     x_train, x_val, y_train, y_val = train_test_split(
-        (x / 16).astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0)
+        (x / 16).astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0
+    )
     trainer = loopax.Trainer(  # model.compile(optimizer, loss, metrics)
-        model_fn, losses.sparse_categorical_crossentropy_logits, optimizers.adam(1e-3),
+        model_fn,
+        losses.sparse_categorical_crossentropy_logits,
+        optimizers.adam(1e-3),
         train_metrics=[metrics.MovingAverageSparseCategoricalAccuracy()],
-        eval_metrics=[metrics.SparseCategoricalAccuracy()])
+        eval_metrics=[metrics.SparseCategoricalAccuracy()],
+    )
     val = loopax.ArrayDataset(x_val, y_val, 64, name="val", shuffle=False, drop_remainder=False)
     loop = loopax.Loop(trainer)
     hooks.evaluate(loop, val, every_n_epochs=1)  # validation_data=(x_val, y_val)
-    hooks.checkpoint(loop, f"{args.dir}/checkpoints", every_n_epochs=1,  # ModelCheckpoint
-                     best_metric="eval/val/mean_loss", restore=False)
+    hooks.checkpoint(
+        loop,
+        f"{args.dir}/checkpoints",
+        every_n_epochs=1,  # ModelCheckpoint
+        best_metric="eval/val/mean_loss",
+        restore=False,
+    )
     hooks.metrics_log(loop, f"{args.dir}/log.csv", every_n_epochs=1)  # CSVLogger
-    hooks.early_stopping(loop, "eval/val/mean_loss", patience=5)  # EarlyStopping(restore_best_weights=True)
-    hooks.reduce_lr_on_plateau(loop, "eval/val/mean_loss", factor=0.5, patience=2)  # ReduceLROnPlateau
+    hooks.early_stopping(
+        loop, "eval/val/mean_loss", patience=5
+    )  # EarlyStopping(restore_best_weights=True)
+    hooks.reduce_lr_on_plateau(
+        loop, "eval/val/mean_loss", factor=0.5, patience=2
+    )  # ReduceLROnPlateau
     hooks.progress_bar(loop)  # verbose=1
     loop.run_epochs(loopax.ArrayDataset(x_train, y_train, 64), args.epochs)  # model.fit(epochs=...)
     accuracy = trainer.evaluate(val)["Accuracy"]  # model.evaluate(x_val, y_val)

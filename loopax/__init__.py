@@ -7,11 +7,12 @@ shape; a `Loop` runs steps or epochs and fires prioritized hooks. The subpackage
 
 import importlib
 
+from ._params import load_params as load_params
 from .trainer import ArrayDataset as ArrayDataset
 from .trainer import Context as Context
 from .trainer import Dataset as Dataset
-from .trainer import ExecInfo as ExecInfo
 from .trainer import Evaluation as Evaluation
+from .trainer import ExecInfo as ExecInfo
 from .trainer import Executor as Executor
 from .trainer import History as History
 from .trainer import Hook as Hook
@@ -21,11 +22,9 @@ from .trainer import Loop as Loop
 from .trainer import NonFiniteLossError as NonFiniteLossError
 from .trainer import Priority as Priority
 from .trainer import Schedule as Schedule
-from .trainer import TrainState as TrainState
 from .trainer import Trainer as Trainer
+from .trainer import TrainState as TrainState
 from .trainer import __all__ as _TRAINER_NAMES
-
-from ._params import load_params as load_params
 
 __version__ = "0.1.0"
 

@@ -45,13 +45,21 @@ LOSS_CASES = {
     "binary_crossentropy_logits": (losses.binary_crossentropy_logits, _regression_labels, 1, None),
     "categorical_crossentropy": (
         losses.categorical_crossentropy,
-        lambda y: [np.eye(2, dtype=np.float32)[y]], 2, lambda z: nn.softmax(z),
+        lambda y: [np.eye(2, dtype=np.float32)[y]],
+        2,
+        lambda z: nn.softmax(z),
     ),
     "categorical_crossentropy_logits": (
-        losses.categorical_crossentropy_logits, lambda y: [np.eye(2, dtype=np.float32)[y]], 2, None,
+        losses.categorical_crossentropy_logits,
+        lambda y: [np.eye(2, dtype=np.float32)[y]],
+        2,
+        None,
     ),
     "sparse_categorical_crossentropy_logits": (
-        losses.sparse_categorical_crossentropy_logits, lambda y: [y], 2, None,
+        losses.sparse_categorical_crossentropy_logits,
+        lambda y: [y],
+        2,
+        None,
     ),
 }
 
@@ -93,8 +101,11 @@ def test_every_built_in_metric_compiles_once():
         return [nn.Dense(2)(inputs[0])]
 
     trainer = loopax.Trainer(
-        two_heads, losses.sparse_categorical_crossentropy_logits, optimizers.adam(1e-2),
-        train_metrics=train_metrics, eval_metrics=[metrics.SparseCategoricalAccuracy()],
+        two_heads,
+        losses.sparse_categorical_crossentropy_logits,
+        optimizers.adam(1e-2),
+        train_metrics=train_metrics,
+        eval_metrics=[metrics.SparseCategoricalAccuracy()],
         devices=ONE_DEVICE,
     )
     compiled = _count_compilations(trainer)
@@ -109,23 +120,27 @@ def test_every_built_in_metric_compiles_once():
         return nn.Dense(1)(inputs[0])
 
     binary_trainer = loopax.Trainer(
-        one_logit, losses.binary_crossentropy_logits, optimizers.sgd(0.1),
-        train_metrics=binary, devices=ONE_DEVICE,
+        one_logit,
+        losses.binary_crossentropy_logits,
+        optimizers.sgd(0.1),
+        train_metrics=binary,
+        devices=ONE_DEVICE,
     )
     compiled = _count_compilations(binary_trainer)
     x = np.random.default_rng(2).normal(size=(64, 4)).astype(np.float32)
     y = (x[:, :1] > 0).astype(np.float32)
-    loopax.Loop(binary_trainer).run_steps(
-        loopax.ArrayDataset(x, y, 16, loop_forever=True), 5
-    )
+    loopax.Loop(binary_trainer).run_steps(loopax.ArrayDataset(x, y, 16, loop_forever=True), 5)
     assert len(compiled) == 1
 
 
 def test_every_ready_hook_attached_compiles_once(tmp_path):
     trainer = loopax.Trainer(
-        classifier, losses.sparse_categorical_crossentropy_logits, optimizers.adam(1e-2),
+        classifier,
+        losses.sparse_categorical_crossentropy_logits,
+        optimizers.adam(1e-2),
         train_metrics=[metrics.MovingAverageSparseCategoricalAccuracy()],
-        eval_metrics=[metrics.SparseCategoricalAccuracy()], devices=ONE_DEVICE,
+        eval_metrics=[metrics.SparseCategoricalAccuracy()],
+        devices=ONE_DEVICE,
     )
     compiled = _count_compilations(trainer)
     test = _classification_data("test", loop_forever=False)
@@ -148,7 +163,9 @@ def test_every_ready_hook_attached_compiles_once(tmp_path):
 
 def test_learning_rate_changes_between_steps_without_compiling():
     trainer = loopax.Trainer(
-        classifier, losses.sparse_categorical_crossentropy_logits, optimizers.sgd(0.5),
+        classifier,
+        losses.sparse_categorical_crossentropy_logits,
+        optimizers.sgd(0.5),
         devices=ONE_DEVICE,
     )
     compiled = _count_compilations(trainer)
@@ -162,7 +179,9 @@ def test_learning_rate_changes_between_steps_without_compiling():
     frozen = jax.device_get(trainer.params)
     loop.run_steps(data, 3)
     # A learning rate of 0 leaves the parameters where they were: the new rate is used.
-    for before, after in zip(jax.tree.leaves(frozen), jax.tree.leaves(jax.device_get(trainer.params))):
+    for before, after in zip(
+        jax.tree.leaves(frozen), jax.tree.leaves(jax.device_get(trainer.params))
+    ):
         np.testing.assert_array_equal(before, after)
     assert float(optimizers.get_learning_rate(trainer.state.opt_state)) == 0.0
     assert len(compiled) == 1

@@ -19,13 +19,19 @@ def model_fn(ctx, spec, inputs):
 
 @pytest.fixture
 def trained(tmp_path):
-    trainer = loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optax.adam(0.01),
-                             devices=jax.devices()[:1])
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01), devices=jax.devices()[:1]
+    )
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=3, keep=None)
     saved = {}
-    loop.on_step("remember", lambda loop, m: saved.update(
-        {loop.trainer.global_step: jax.device_get(loop.trainer.params)}), loopax.Priority.UI)
+    loop.on_step(
+        "remember",
+        lambda loop, m: saved.update(
+            {loop.trainer.global_step: jax.device_get(loop.trainer.params)}
+        ),
+        loopax.Priority.UI,
+    )
     x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
     loop.run_steps(loopax.ArrayDataset(x, x[:, :1], 8, loop_forever=True), 7)
     checkpointer.wait()
@@ -72,9 +78,13 @@ def test_plain_orbax_reads_them_too(trained):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The README's lines, as a user without loopax would write them:
-        manager = ocp.CheckpointManager(directory, item_handlers={"state": ocp.StandardCheckpointHandler()})
+        manager = ocp.CheckpointManager(
+            directory, item_handlers={"state": ocp.StandardCheckpointHandler()}
+        )
         step = manager.latest_step()
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
+            "state"
+        ]
         params = state["params"]
     assert step == 7
     assert_same(saved[7], jax.tree.map(np.asarray, params))

@@ -35,8 +35,12 @@ def _train_and_evaluate(metric_class, devices):
         return nn.Dense(1)(nn.tanh(nn.Dense(8)(inputs[0])))
 
     trainer = loopax.Trainer(
-        model_fn, losses.mean_squared_error, optimizers.sgd(0.05),
-        train_metrics=[metric_class()], eval_metrics=[metric_class()], devices=devices,
+        model_fn,
+        losses.mean_squared_error,
+        optimizers.sgd(0.05),
+        train_metrics=[metric_class()],
+        eval_metrics=[metric_class()],
+        devices=devices,
     )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 3)).astype(np.float32)
@@ -72,8 +76,9 @@ def test_readme_nnx_model_and_frozen_optimizer_run_as_written():
     namespace: dict = {"loopax": loopax, "losses": losses, "optimizers": optimizers}
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 64)).astype(np.float32)
-    namespace["train"] = loopax.ArrayDataset(x, rng.integers(0, 10, 64).astype(np.int32), 16,
-                                             loop_forever=True)
+    namespace["train"] = loopax.ArrayDataset(
+        x, rng.integers(0, 10, 64).astype(np.int32), 16, loop_forever=True
+    )
     exec(source.replace("run_steps(train, 1000)", "run_steps(train, 3)"), namespace)  # noqa: S102
     assert namespace["trainer"].global_step == 3
     assert namespace["model"] is namespace["trainer"].nnx_module()

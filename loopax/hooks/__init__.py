@@ -12,6 +12,13 @@ from ._early_stopping import early_stopping as early_stopping
 from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
+from ._loop_schedules import AtSteps as AtSteps
+from ._loop_schedules import EveryNEpochs as EveryNEpochs
+from ._loop_schedules import EveryNSteps as EveryNSteps
+from ._loop_schedules import Exponential as Exponential
+from ._loop_schedules import FirstNSteps as FirstNSteps
+from ._loop_schedules import NTimes as NTimes
+from ._loop_schedules import Periodic as Periodic
 from ._metrics_log import MetricsLog as MetricsLog
 from ._metrics_log import metrics_log as metrics_log
 from ._nan_guard import NanGuard as NanGuard
@@ -24,13 +31,6 @@ from ._progress import ProgressBar as ProgressBar
 from ._progress import progress_bar as progress_bar
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._tensorboard import tensorboard as tensorboard
-from ._loop_schedules import AtSteps as AtSteps
-from ._loop_schedules import EveryNEpochs as EveryNEpochs
-from ._loop_schedules import EveryNSteps as EveryNSteps
-from ._loop_schedules import Exponential as Exponential
-from ._loop_schedules import FirstNSteps as FirstNSteps
-from ._loop_schedules import NTimes as NTimes
-from ._loop_schedules import Periodic as Periodic
 from ._triggers import at_steps as at_steps
 from ._triggers import every_n_epochs as every_n_epochs
 from ._triggers import every_n_steps as every_n_steps
@@ -43,47 +43,49 @@ from ._writers import MetricWriter as MetricWriter
 from ._writers import WriterHooks as WriterHooks
 from ._writers import write_metrics as write_metrics
 
-__all__ = sorted([
-    "AnyOf",
-    "AtSteps",
-    "BackgroundSaveError",
-    "Checkpointer",
-    "DamagedCheckpointError",
-    "EarlyStopping",
-    "EveryNEpochs",
-    "EveryNSteps",
-    "Evaluator",
-    "Exponential",
-    "FirstNSteps",
-    "MetricWriter",
-    "MetricsLog",
-    "NTimes",
-    "NanGuard",
-    "NoGoodCheckpointError",
-    "Periodic",
-    "Plotter",
-    "ProgressBar",
-    "ReduceLROnPlateau",
-    "Schedule",
-    "TensorBoardWriter",
-    "WriterHooks",
-    "at_steps",
-    "checkpoint",
-    "early_stopping",
-    "evaluate",
-    "every_n_epochs",
-    "every_n_steps",
-    "exponential_callback",
-    "first_n_steps",
-    "metrics_log",
-    "n_times_during_loop",
-    "nan_guard",
-    "on_schedule",
-    "periodic_callback",
-    "plot",
-    "progress_bar",
-    "reduce_lr_on_plateau",
-    "report_eval",
-    "tensorboard",
-    "write_metrics",
-])
+__all__ = sorted(
+    [
+        "AnyOf",
+        "AtSteps",
+        "BackgroundSaveError",
+        "Checkpointer",
+        "DamagedCheckpointError",
+        "EarlyStopping",
+        "EveryNEpochs",
+        "EveryNSteps",
+        "Evaluator",
+        "Exponential",
+        "FirstNSteps",
+        "MetricWriter",
+        "MetricsLog",
+        "NTimes",
+        "NanGuard",
+        "NoGoodCheckpointError",
+        "Periodic",
+        "Plotter",
+        "ProgressBar",
+        "ReduceLROnPlateau",
+        "Schedule",
+        "TensorBoardWriter",
+        "WriterHooks",
+        "at_steps",
+        "checkpoint",
+        "early_stopping",
+        "evaluate",
+        "every_n_epochs",
+        "every_n_steps",
+        "exponential_callback",
+        "first_n_steps",
+        "metrics_log",
+        "n_times_during_loop",
+        "nan_guard",
+        "on_schedule",
+        "periodic_callback",
+        "plot",
+        "progress_bar",
+        "reduce_lr_on_plateau",
+        "report_eval",
+        "tensorboard",
+        "write_metrics",
+    ]
+)

@@ -21,8 +21,9 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -46,8 +47,8 @@ from ._checkpoint_io import (
     set_aside_entries,
 )
 from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
-from ._metric_info import split_eval_key
 from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
+from ._metric_info import split_eval_key
 from ._triggers import on_schedule
 
 _logger = logging.getLogger(__name__)
@@ -121,8 +122,13 @@ class Checkpointer:
             )
 
         self._manager = open_manager(
-            ocp, self.directory, keep=self.keep, best_metric=best_metric, best_mode=best_mode,
-            keep_best=self.keep_best, keep_period=self.keep_period,
+            ocp,
+            self.directory,
+            keep=self.keep,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            keep_best=self.keep_best,
+            keep_period=self.keep_period,
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
@@ -260,7 +266,11 @@ class Checkpointer:
         self._writer.submit(self._write, step, state, bundle, best_value, flushed)
 
     def _write(
-        self, step: int, state: dict, bundle: dict, best_value: float | None,
+        self,
+        step: int,
+        state: dict,
+        bundle: dict,
+        best_value: float | None,
         flushed: Callable[[], None],
     ) -> None:
         """The background thread: waits for the logs, verifies, checksums and commits."""
@@ -275,10 +285,12 @@ class Checkpointer:
         ocp = self._ocp
         self._manager.save(
             step,
-            args=ocp.args.Composite(**{
-                _STATE_ITEM: ocp.args.StandardSave(state),
-                _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
-            }),
+            args=ocp.args.Composite(
+                **{
+                    _STATE_ITEM: ocp.args.StandardSave(state),
+                    _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
+                }
+            ),
             metrics=None if best_value is None else {self.best_metric: best_value},
             force=True,
         )
@@ -478,20 +490,34 @@ def checkpoint(
     if restore not in (True, False, "latest", "never"):
         raise ValueError(f"restore must be True, False, 'latest' or 'never', got {restore!r}")
     schedules = [
-        schedule for schedule in (
+        schedule
+        for schedule in (
             None if every_n_steps is None else EveryNSteps(every_n_steps),
             None if period_seconds is None else Periodic(period_seconds, clock),
             None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
-        ) if schedule is not None
+        )
+        if schedule is not None
     ]
     checkpointer = Checkpointer(
-        loop, directory, keep=keep, best_metric=best_metric, best_mode=best_mode,
-        keep_best=keep_best, keep_period=keep_period, async_save=async_save,
+        loop,
+        directory,
+        keep=keep,
+        best_metric=best_metric,
+        best_mode=best_mode,
+        keep_best=keep_best,
+        keep_period=keep_period,
+        async_save=async_save,
     )
     for schedule in schedules:
         # `save` checks the losses itself, first (a nan_guard may roll back there).
-        on_schedule(loop, schedule, "checkpoint", checkpointer._save_on_trigger,
-                    priority=Priority.CHECKPOINT, check_finite=False)
+        on_schedule(
+            loop,
+            schedule,
+            "checkpoint",
+            checkpointer._save_on_trigger,
+            priority=Priority.CHECKPOINT,
+            check_finite=False,
+        )
     # Before the other start hooks, so that they see the restored dataset position.
     loop.on_start("checkpoint: restore position", checkpointer._on_start, Priority.VALIDATE)
     loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT, check_finite=False)

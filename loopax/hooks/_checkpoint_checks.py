@@ -11,8 +11,10 @@ def check_count(argument: str, value: Any, *, allow_none: bool) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be a positive int{' or None' if allow_none else ''}, "
-                         f"got {argument}={value!r}")
+        raise ValueError(
+            f"{argument} must be a positive int{' or None' if allow_none else ''}, "
+            f"got {argument}={value!r}"
+        )
     return int(value)
 
 

@@ -39,7 +39,8 @@ def checksums(plain: dict) -> dict[str, str]:
 def verify(plain: dict, bundle: dict) -> None:
     """Raises `DamagedCheckpointError` unless `plain` matches the checksums in `bundle` and
     holds only finite floats. Checkpoints of loopax 0.1 have no checksums: only finiteness
-    is checked for them."""
+    is checked for them.
+    """
     expected = bundle.get("checksums")
     if expected is not None:
         actual = checksums(plain)
@@ -57,9 +58,9 @@ def verify(plain: dict, bundle: dict) -> None:
 
 def read_bundle(manager: Any, ocp: Any, step: int) -> Any:
     """The JSON description of checkpoint `step`, as stored (not checked)."""
-    return manager.restore(
-        step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()})
-    )[BUNDLE_ITEM]
+    return manager.restore(step, args=ocp.args.Composite(**{BUNDLE_ITEM: ocp.args.JsonRestore()}))[
+        BUNDLE_ITEM
+    ]
 
 
 def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
@@ -71,7 +72,9 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
     """
     bundle = read_bundle(manager, ocp, step)
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
-        raise DamagedCheckpointError(f"its {BUNDLE_ITEM!r} item is not a loopax checkpoint description")
+        raise DamagedCheckpointError(
+            f"its {BUNDLE_ITEM!r} item is not a loopax checkpoint description"
+        )
     if bundle.get("version") != VERSION or bundle.get("global_step") != step:
         raise DamagedCheckpointError(
             f"version {bundle.get('version')} / step {bundle.get('global_step')} in its "
@@ -92,7 +95,8 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
 
 def set_aside(directory: Path, step: int) -> Path | None:
     """Moves checkpoint `step` to `<directory>/damaged/<step>` (process 0 only); returns
-    where it went."""
+    where it went.
+    """
     if jax.process_index() != 0:
         return None
     damaged = directory / DAMAGED_DIR
@@ -140,7 +144,8 @@ def read_newest_good(
 
 def read_metric_values(manager: Any, ocp: Any, metric: str) -> dict[int, float]:
     """`{step: value}` of `metric` in the descriptions of the checkpoints on disk (the
-    unreadable ones and those without the value left out)."""
+    unreadable ones and those without the value left out).
+    """
     values = {}
     for step in manager.all_steps():
         try:
@@ -167,17 +172,20 @@ def open_manager(
     create: bool = True,
 ) -> Any:
     """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention:
-    the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`."""
+    the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`.
+    """
     from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
     preserve = [policies.LatestN(keep)]
     if best_metric is not None:
-        preserve.append(policies.BestN(
-            get_metric_fn=lambda metrics: metrics[best_metric],
-            reverse=best_mode == "min",  # BestN keeps the largest after sorting
-            n=keep_best,
-            keep_checkpoints_without_metrics=False,
-        ))
+        preserve.append(
+            policies.BestN(
+                get_metric_fn=lambda metrics: metrics[best_metric],
+                reverse=best_mode == "min",  # BestN keeps the largest after sorting
+                n=keep_best,
+                keep_checkpoints_without_metrics=False,
+            )
+        )
     if keep_period is not None:
         preserve.append(policies.EveryNSteps(interval_steps=keep_period))
     options = ocp.CheckpointManagerOptions(

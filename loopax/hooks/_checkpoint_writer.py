@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class BackgroundSaveError(RuntimeError):

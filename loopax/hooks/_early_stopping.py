@@ -62,11 +62,15 @@ class EarlyStopping(MetricMonitor):
     ):
         super().__init__(loop, "early_stopping", monitor, mode, min_delta)
         self.patience = check_count("early_stopping", "patience", patience)
-        self.baseline = None if baseline is None else check_number(
-            "early_stopping", "baseline", baseline, minimum=None)
+        self.baseline = (
+            None
+            if baseline is None
+            else check_number("early_stopping", "baseline", baseline, minimum=None)
+        )
         if not isinstance(restore_best, bool):
-            raise ValueError(f"early_stopping: restore_best must be True or False, got "
-                             f"{restore_best!r}")
+            raise ValueError(
+                f"early_stopping: restore_best must be True or False, got {restore_best!r}"
+            )
         self.restore_best = restore_best
         self.trainer = loop.trainer
         self.stopped_step: int | None = None
@@ -85,14 +89,16 @@ class EarlyStopping(MetricMonitor):
     @property
     def best_params(self) -> Any:
         """A device copy of the parameters at `best_step` (with `restore_best`, kept from
-        the check that found it in this process), or None."""
+        the check that found it in this process), or None.
+        """
         if self._best_copy is None or self._best_copy_step != self.best_step:
             return None
         return self._best_copy[0]
 
     def reset(self) -> None:
         """Forgets the best value, the wait and the stop, so that later runs train again
-        (as a new Keras `fit` would); values of steps already checked still are not counted."""
+        (as a new Keras `fit` would); values of steps already checked still are not counted.
+        """
         self.best = self.best_step = self.stopped_step = self.stop_reason = None
         self.wait = 0
 
@@ -142,7 +148,8 @@ class EarlyStopping(MetricMonitor):
 
     def _put_back_training_params(self, trainer: Any) -> None:
         """The next run continues the training from its own last parameters, not the best
-        ones shown between runs: chunked runs equal one long run (and a resumed one)."""
+        ones shown between runs: chunked runs equal one long run (and a resumed one).
+        """
         set_aside, self._set_aside = self._set_aside, None
         if set_aside is None or self._best_copy is None:
             return
@@ -203,8 +210,10 @@ class EarlyStopping(MetricMonitor):
         self.stop_reason = state.get("stop_reason")
 
     def __repr__(self) -> str:
-        return (f"EarlyStopping({self.monitor!r}, best={self.best}, best_step={self.best_step}, "
-                f"wait={self.wait}, stopped_step={self.stopped_step})")
+        return (
+            f"EarlyStopping({self.monitor!r}, best={self.best}, best_step={self.best_step}, "
+            f"wait={self.wait}, stopped_step={self.stopped_step})"
+        )
 
 
 def early_stopping(
@@ -291,6 +300,11 @@ def early_stopping(
       ('min', 5, None)
     """
     return EarlyStopping(
-        loop, monitor, mode=mode, min_delta=min_delta, patience=patience, baseline=baseline,
+        loop,
+        monitor,
+        mode=mode,
+        min_delta=min_delta,
+        patience=patience,
+        baseline=baseline,
         restore_best=restore_best,
     )

@@ -15,8 +15,8 @@ from ..trainer._datasets import dataset_name
 from ..trainer._history import Evaluation
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
-from ._metric_info import eval_metric_infos, is_writer_process
 from ._loop_schedules import EveryNEpochs, EveryNSteps, NTimes
+from ._metric_info import eval_metric_infos, is_writer_process
 from ._triggers import on_schedule
 
 # `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule
@@ -60,7 +60,9 @@ def format_results(trainer: Any, name: str, results: dict[str, float]) -> str:
     lines = [f"Results on {name}:"]
     for info in eval_metric_infos(trainer):
         if info.key in results:
-            lines.append(f"\t{info.name} ({info.short_name}): {info.pretty_print(results[info.key])}")
+            lines.append(
+                f"\t{info.name} ({info.short_name}): {info.pretty_print(results[info.key])}"
+            )
     return "\n".join(lines)
 
 
@@ -158,8 +160,12 @@ def evaluate(
             "or call_on_end=True"
         )
     schedules = [
-        schedule(count) for schedule, count in
-        ((EveryNSteps, every_n_steps), (NTimes, n_times), (EveryNEpochs, every_n_epochs))
+        schedule(count)
+        for schedule, count in (
+            (EveryNSteps, every_n_steps),
+            (NTimes, n_times),
+            (EveryNEpochs, every_n_epochs),
+        )
         if count is not None
     ]
     evaluator = Evaluator(datasets, print_results, file)
@@ -174,7 +180,9 @@ def evaluate(
     return evaluator
 
 
-def report_eval(trainer: Any, *datasets: Any, file: TextIO | None = None) -> dict[str, dict[str, float]]:
+def report_eval(
+    trainer: Any, *datasets: Any, file: TextIO | None = None
+) -> dict[str, dict[str, float]]:
     """Evaluates each dataset and prints the results in GoMLX's format.
 
     Per dataset: `Results on <name>:` then one `\\t<Name> (<short>): <value>` line per eval

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..trainer._hooks import NEVER, Schedule
 from ..trainer._loop import Loop
@@ -103,7 +104,8 @@ class NTimes(Schedule):
     def set_state(self, state: dict[str, Any]) -> None:
         self._restored = (
             {"start_step": int(state["start_step"]), "end_step": int(state["end_step"])}
-            if state else None
+            if state
+            else None
         )
 
     def __repr__(self) -> str:

@@ -21,7 +21,8 @@ _FIX = (
 
 def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
     """Raises a ValueError naming `what` unless `opt_state` (arrays or shapes) holds a
-    learning rate that can be set."""
+    learning rate that can be set.
+    """
     if get_learning_rate(opt_state) is None:
         raise ValueError(
             f"{what} changes the optimizer's learning rate while training, but this optimizer "
@@ -49,8 +50,10 @@ def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> b
     if state is not None:
         check_optimizer_state(state.opt_state, what, note)
         return True
-    stand_in = {"kernel": jax.ShapeDtypeStruct((2, 2), jnp.float32),
-                "bias": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    stand_in = {
+        "kernel": jax.ShapeDtypeStruct((2, 2), jnp.float32),
+        "bias": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
     try:
         opt_state = jax.eval_shape(trainer.optimizer.init, stand_in)
     except Exception:  # noqa: BLE001 - its init needs the real parameters' structure
@@ -63,7 +66,8 @@ def require_adjustable_learning_rate(
     loop: Loop, what: str, note: str = "", hook_name: str | None = None
 ) -> None:
     """`check_adjustable_learning_rate` now, or at the first step of each run when only the
-    real parameters can tell (in an OnStep hook named after `hook_name`, default `what`)."""
+    real parameters can tell (in an OnStep hook named after `hook_name`, default `what`).
+    """
     if check_adjustable_learning_rate(loop.trainer, what, note):
         return
 
@@ -71,5 +75,10 @@ def require_adjustable_learning_rate(
         del metrics
         check_optimizer_state(loop.trainer.state.opt_state, what, note)
 
-    loop.on_step(f"{hook_name or what}: check the learning rate", check, Priority.VALIDATE,
-                 when=FirstNSteps(1), check_finite=False)
+    loop.on_step(
+        f"{hook_name or what}: check the learning rate",
+        check,
+        Priority.VALIDATE,
+        when=FirstNSteps(1),
+        check_finite=False,
+    )

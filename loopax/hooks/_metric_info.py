@@ -10,7 +10,8 @@ themselves. Also the one rule every writing hook shares: only process 0 writes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -97,10 +98,11 @@ def describe_key(trainer: Any, key: str) -> MetricInfo:
 
 def split_eval_key(trainer: Any, key: str) -> tuple[str, str] | None:
     """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key naming one of the trainer's
-    eval metrics (dataset names may hold `/`), else None."""
+    eval metrics (dataset names may hold `/`), else None.
+    """
     if not key.startswith("eval/"):
         return None
-    rest = key[len("eval/"):]
+    rest = key[len("eval/") :]
     for name in trainer.eval_metric_names:
         if rest.endswith("/" + name) and len(rest) > len(name) + 1:
             return rest[: -len(name) - 1], name

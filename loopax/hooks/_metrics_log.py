@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
-from ._points import PointsFile, format_from_path, points_of
 from ._loop_schedules import EveryNEpochs
+from ._points import PointsFile, format_from_path, points_of
 from ._writers import MetricWriter, write_metrics
 
 
@@ -79,8 +80,12 @@ def metrics_log(
     path = os.fspath(path)
     log = MetricsLog(path, format_from_path(path, format), loop.trainer)
     write_metrics(
-        loop, log, every_n_steps=every_n_steps,
+        loop,
+        log,
+        every_n_steps=every_n_steps,
         when=None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
-        call_on_end=call_on_end, name=f"metrics_log({log.path})", priority=priority,
+        call_on_end=call_on_end,
+        name=f"metrics_log({log.path})",
+        priority=priority,
     )
     return log

@@ -1,6 +1,7 @@
 """What early stopping and the plateau hook share: which metric key to watch, which
 direction is better, when a value counts as an improvement, and handing each new value of
-the key to the hook exactly once (resumes included)."""
+the key to the hook exactly once (resumes included).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ._metric_info import describe_key, split_eval_key
 
 MODES = ("auto", "min", "max")
 _AUTO_MODES = {"loss": "min", "accuracy": "max"}  # metric_type -> mode for mode="auto"
+
+
 def check_count(hook: str, argument: str, value: Any) -> int:
     """`value` as an int >= 0, or a ValueError naming the hook and the argument."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
@@ -42,7 +45,7 @@ def resolve_monitor(trainer: Any, monitor: Any, hook: str) -> tuple[str | None, 
     train_keys = [train_key(name) for name in trainer.train_metric_names]
     if isinstance(monitor, str):
         if monitor in train_keys:
-            return None, monitor[len("train/"):]
+            return None, monitor[len("train/") :]
         found = split_eval_key(trainer, monitor)
         if found is not None:
             return found
@@ -115,7 +118,8 @@ class MetricMonitor(abc.ABC):
 
     def _watch(self, loop: Loop, priority: int) -> None:
         """Registers the hooks that read the monitor, and the state; call last in __init__
-        (a state restored before registration is applied at once)."""
+        (a state restored before registration is applied at once).
+        """
         if self.dataset is None:
             loop.on_epoch_end(self.name, self._on_epoch_end, priority)
         else:
@@ -124,7 +128,8 @@ class MetricMonitor(abc.ABC):
 
     def improves(self, value: float, reference: float | None) -> bool:
         """Whether `value` beats `reference` by more than `min_delta` (None: any finite
-        value). NaN and infinities never improve: they measure no progress."""
+        value). NaN and infinities never improve: they measure no progress.
+        """
         if not math.isfinite(value):
             return False
         if reference is None:
@@ -139,7 +144,8 @@ class MetricMonitor(abc.ABC):
 
     def measures_training(self, loop: Loop) -> bool:
         """Whether a value now measures the training (not, e.g., parameters put in its
-        place between runs); values that do not are ignored."""
+        place between runs); values that do not are ignored.
+        """
         del loop
         return True
 
@@ -167,19 +173,29 @@ class MetricMonitor(abc.ABC):
             return
         self._warned_unchecked = True
         if self.dataset is None:
-            how = ("train metrics are checked at the epoch ends of run_epochs, and this run had "
-                   "none; use run_epochs, or monitor an eval metric")
+            how = (
+                "train metrics are checked at the epoch ends of run_epochs, and this run had "
+                "none; use run_epochs, or monitor an eval metric"
+            )
         else:
-            how = (f"no evaluation of a dataset named {self.dataset!r} was published; attach "
-                   f"hooks.evaluate(loop, <that dataset>, every_n_steps=...) or call "
-                   "loop.evaluate(dataset)")
-        warnings.warn(f"{self.name} never checked {self.monitor!r}: {how}", RuntimeWarning,
-                      stacklevel=2)
+            how = (
+                f"no evaluation of a dataset named {self.dataset!r} was published; attach "
+                f"hooks.evaluate(loop, <that dataset>, every_n_steps=...) or call "
+                "loop.evaluate(dataset)"
+            )
+        warnings.warn(
+            f"{self.name} never checked {self.monitor!r}: {how}", RuntimeWarning, stacklevel=2
+        )
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON)."""
-        return {"checks": self.checks, "last_step": self.last_step, "best": self.best,
-                "best_step": self.best_step, "wait": self.wait}
+        return {
+            "checks": self.checks,
+            "last_step": self.last_step,
+            "best": self.best,
+            "best_step": self.best_step,
+            "wait": self.wait,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`."""

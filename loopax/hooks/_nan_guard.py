@@ -37,8 +37,9 @@ class NanGuard:
       rolled_back_to: the global steps restored by each rollback of this process.
     """
 
-    def __init__(self, loop: Loop, max_skips: int, rollback: bool, lr_factor: float,
-                 max_rollbacks: int):
+    def __init__(
+        self, loop: Loop, max_skips: int, rollback: bool, lr_factor: float, max_rollbacks: int
+    ):
         self.loop = loop
         self.max_skips = max_skips
         self.rollback = rollback
@@ -162,8 +163,12 @@ def nan_guard(
     """
     max_skips = _check_positive_int("max_skips", max_skips)
     max_rollbacks = _check_positive_int("max_rollbacks", max_rollbacks)
-    if (isinstance(lr_factor, bool) or not isinstance(lr_factor, numbers.Real)
-            or not math.isfinite(lr_factor) or not 0 < lr_factor <= 1):
+    if (
+        isinstance(lr_factor, bool)
+        or not isinstance(lr_factor, numbers.Real)
+        or not math.isfinite(lr_factor)
+        or not 0 < lr_factor <= 1
+    ):
         raise ValueError(f"lr_factor must be a number in (0, 1], got lr_factor={lr_factor!r}")
     guard = NanGuard(loop, max_skips, bool(rollback), float(lr_factor), max_rollbacks)
     if guard.rollback and guard.lr_factor != 1.0:

@@ -70,14 +70,19 @@ class ReduceLROnPlateau(MetricMonitor):
         require_adjustable_learning_rate(
             loop, f"{_HOOK}({monitor!r})", _CONTRIB_NOTE, hook_name=self.name
         )
-        loop.on_end(self.name, lambda loop, metrics: self._warn_if_never_checked(loop),
-                    Priority.DEFAULT, check_finite=False)
+        loop.on_end(
+            self.name,
+            lambda loop, metrics: self._warn_if_never_checked(loop),
+            Priority.DEFAULT,
+            check_finite=False,
+        )
         self._watch(loop, Priority.DEFAULT)
 
     @property
     def learning_rate(self) -> float | None:
         """The optimizer's live learning rate (reads the device), or None before the first
-        step."""
+        step.
+        """
         return self.trainer.learning_rate
 
     def on_value(self, loop: Loop, step: int, value: float) -> None:
@@ -106,8 +111,14 @@ class ReduceLROnPlateau(MetricMonitor):
         self.reductions.append((step, float(new)))
         self.cooldown_counter = self.cooldown
         self.wait = 0
-        _logger.info("%s: no improvement of %s; learning rate %.6g -> %.6g at step %d",
-                     self.name, self.monitor, old, new, step)
+        _logger.info(
+            "%s: no improvement of %s; learning rate %.6g -> %.6g at step %d",
+            self.name,
+            self.monitor,
+            old,
+            new,
+            step,
+        )
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON); the rate itself is in the optimizer state."""
@@ -124,8 +135,10 @@ class ReduceLROnPlateau(MetricMonitor):
         self.reductions = [(int(step), float(rate)) for step, rate in state.get("reductions", [])]
 
     def __repr__(self) -> str:
-        return (f"ReduceLROnPlateau({self.monitor!r}, best={self.best}, wait={self.wait}, "
-                f"cooldown_counter={self.cooldown_counter}, reductions={self.reductions})")
+        return (
+            f"ReduceLROnPlateau({self.monitor!r}, best={self.best}, wait={self.wait}, "
+            f"cooldown_counter={self.cooldown_counter}, reductions={self.reductions})"
+        )
 
 
 def reduce_lr_on_plateau(
@@ -210,6 +223,12 @@ def reduce_lr_on_plateau(
       ValueError: reduce_lr_on_plateau('eval/test/mean_loss') changes the optimizer's ...
     """
     return ReduceLROnPlateau(
-        loop, monitor, factor=factor, patience=patience, min_delta=min_delta,
-        cooldown=cooldown, min_lr=min_lr, mode=mode,
+        loop,
+        monitor,
+        factor=factor,
+        patience=patience,
+        min_delta=min_delta,
+        cooldown=cooldown,
+        min_lr=min_lr,
+        mode=mode,
     )

@@ -11,14 +11,15 @@ import importlib
 import math
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._evaluate import EVALUATED_DATASETS, check_datasets
+from ._loop_schedules import Exponential
 from ._metric_info import is_writer_process
 from ._points import Point, PointsFile, points_of
-from ._loop_schedules import Exponential
 from ._triggers import on_schedule
 from ._writers import MetricWriter, write_metrics
 
@@ -65,7 +66,9 @@ def render_plots(points: list[Point], directory: str) -> list[str]:
         figure = Figure(figsize=(9, 5.5), dpi=100, layout="constrained")
         axes = figure.subplots()
         values = []
-        train_first = sorted(series.items(), key=lambda item: (not item[0].startswith(_TRAIN_PREFIX), item[0]))
+        train_first = sorted(
+            series.items(), key=lambda item: (not item[0].startswith(_TRAIN_PREFIX), item[0])
+        )
         for name, xy in train_first:
             xy = sorted(dict(xy).items())  # one value per step, the last written wins
             steps, ys = zip(*xy)
@@ -242,8 +245,14 @@ def plot(
     if eval_datasets:
         own = _OwnEvaluations(eval_datasets)
         loop.on_start(f"{name}: evaluations", own.on_start, Priority.EVALUATE)
-        on_schedule(loop, Exponential(start_step, factor), f"{name}: evaluate", own,
-                    call_on_end=True, priority=Priority.EVALUATE)
+        on_schedule(
+            loop,
+            Exponential(start_step, factor),
+            f"{name}: evaluate",
+            own,
+            call_on_end=True,
+            priority=Priority.EVALUATE,
+        )
     if is_writer_process():
         os.makedirs(directory, exist_ok=True)
     write_metrics(loop, plotter, when=schedule, name=name, priority=priority)

@@ -14,7 +14,8 @@ import io
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ._metric_info import describe_key
 
@@ -31,13 +32,15 @@ def points_of(trainer: Any, step: int, scalars: Mapping[str, float]) -> list[Poi
         if not math.isfinite(value):
             continue
         info = describe_key(trainer, key)
-        points.append({
-            "metric": key,
-            "short": info.short_name,
-            "type": info.metric_type,
-            "step": int(step),
-            "value": value,
-        })
+        points.append(
+            {
+                "metric": key,
+                "short": info.short_name,
+                "type": info.metric_type,
+                "step": int(step),
+                "value": value,
+            }
+        )
     return points
 
 
@@ -46,8 +49,10 @@ def format_from_path(path: str, file_format: str | None) -> str:
     if file_format is None:
         file_format = "csv" if str(path).lower().endswith(".csv") else "jsonl"
     if file_format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS} (or None to pick from the file "
-                         f"suffix), got {file_format!r}")
+        raise ValueError(
+            f"format must be one of {FORMATS} (or None to pick from the file "
+            f"suffix), got {file_format!r}"
+        )
     return file_format
 
 
@@ -72,7 +77,9 @@ class PointsFile:
                 points = []
                 for row in csv.DictReader(file):
                     try:
-                        points.append({**row, "step": int(row["step"]), "value": float(row["value"])})
+                        points.append(
+                            {**row, "step": int(row["step"]), "value": float(row["value"])}
+                        )
                     except (KeyError, TypeError, ValueError):
                         continue  # a line cut short by a crash
                 return points

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import shutil
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
-from ._metric_info import is_writer_process, train_metric_infos
 from ._loop_schedules import ClockSchedule
+from ._metric_info import is_writer_process, train_metric_infos
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
 _NO_BAR_FORMAT = "{percentage:3.0f}% {status}"
@@ -203,7 +204,8 @@ class ProgressBar:
 
     def __call__(self, loop: Loop, metrics: Any) -> None:
         """The OnStep hook, on the steps its `ClockSchedule` picks (every `refresh_seconds`):
-        refreshes the bar."""
+        refreshes the bar.
+        """
         if self.bar is None:
             return
         now = self.clock()
@@ -268,8 +270,11 @@ def progress_bar(
       ValueError: `refresh_seconds` is negative.
       TypeError: `clock` is not callable.
     """
-    if (isinstance(refresh_seconds, bool) or not isinstance(refresh_seconds, (int, float))
-            or not refresh_seconds >= 0):
+    if (
+        isinstance(refresh_seconds, bool)
+        or not isinstance(refresh_seconds, (int, float))
+        or not refresh_seconds >= 0
+    ):
         raise ValueError(f"refresh_seconds must be a number >= 0, got {refresh_seconds!r}")
     if not callable(clock):
         raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
@@ -279,7 +284,12 @@ def progress_bar(
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
-        loop.on_step("progress_bar", progress, priority=priority, check_finite=False,
-                     when=ClockSchedule(progress.refresh_seconds, clock, fire_first=True))
+        loop.on_step(
+            "progress_bar",
+            progress,
+            priority=priority,
+            check_finite=False,
+            when=ClockSchedule(progress.refresh_seconds, clock, fire_first=True),
+        )
         loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
     return progress

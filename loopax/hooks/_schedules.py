@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Iterator
+from collections.abc import Iterator
 
 # Points at which `NTimesRule` fires while the length of the run is unknown: done = 128, 256, ...
 _FIRST_POINT_WHILE_END_UNKNOWN = 128
@@ -104,8 +104,7 @@ class NTimesRule:
             return False
         if total_steps is None:
             return (
-                steps_done >= _FIRST_POINT_WHILE_END_UNKNOWN
-                and steps_done & (steps_done - 1) == 0
+                steps_done >= _FIRST_POINT_WHILE_END_UNKNOWN and steps_done & (steps_done - 1) == 0
             )
         if steps_done > total_steps:
             return False

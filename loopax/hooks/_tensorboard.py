@@ -15,7 +15,8 @@ import shlex
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,8 @@ import numpy as np
 
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
-from ._metric_info import is_writer_process
 from ._loop_schedules import EveryNSteps, FirstNSteps
+from ._metric_info import is_writer_process
 from ._writers import MetricWriter, Waiter, write_metrics
 
 RUN_SUMMARY_TAG = "run/summary"
@@ -41,8 +42,9 @@ def _format_bytes(count: int) -> str:
 
 
 def _path_name(path: tuple) -> str:
-    return "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
-                    for key in path)
+    return "/".join(
+        str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path
+    )
 
 
 def run_summary(trainer: Any, argv: list[str] | None = None) -> str:
@@ -80,6 +82,7 @@ def run_summary(trainer: Any, argv: list[str] | None = None) -> str:
 
 
 _BURST_SECONDS = 1.0  # writes reach the writer thread in batches, at most this often
+
 
 def _scalar_summary(values: dict[str, Any]) -> Any:
     from tensorboard.compat.proto import summary_pb2
@@ -131,7 +134,9 @@ class TensorBoardWriter(MetricWriter):
       max_pending: hand the collected writes over once this many are waiting.
     """
 
-    def __init__(self, logdir: str | os.PathLike, *, flush_seconds: float = 10.0, max_pending: int = 64):
+    def __init__(
+        self, logdir: str | os.PathLike, *, flush_seconds: float = 10.0, max_pending: int = 64
+    ):
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self.logdir = os.fspath(logdir)
@@ -167,7 +172,8 @@ class TensorBoardWriter(MetricWriter):
 
     def _hand_off(self) -> None:
         """Gives the collected writes to the writer thread, as one batch; blocks while the
-        writer is still busy with the previous batch."""
+        writer is still busy with the previous batch.
+        """
         self._handoff_due = time.monotonic() + _BURST_SECONDS
         if self._outbox:
             items, self._outbox = self._outbox, []
@@ -195,12 +201,14 @@ class TensorBoardWriter(MetricWriter):
 
     def truncate_after(self, step: int) -> None:
         """Writes a `SessionLog.START` at `step + 1`: TensorBoard then drops every event of
-        a later step written before it (a resumed or rolled-back run writes them again)."""
+        a later step written before it (a resumed or rolled-back run writes them again).
+        """
         self._put(("restart", step + 1, None))
 
     def flush_async(self) -> Waiter:
         """Hands everything queued to the writer thread and asks it to flush; the returned
-        function waits until the events are on disk."""
+        function waits until the events are on disk.
+        """
         self._raise_worker_error()
         if self._thread is None or self._closed:
             return lambda: None
@@ -268,11 +276,14 @@ class TensorBoardWriter(MetricWriter):
             for (kind, step, _), payload in zip(items, payloads):
                 if kind == "restart":
                     event = event_pb2.Event(
-                        wall_time=time.time(), step=step,
+                        wall_time=time.time(),
+                        step=step,
                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
                     )
                 else:
-                    event = event_pb2.Event(wall_time=time.time(), step=step, summary=builders[kind](payload))
+                    event = event_pb2.Event(
+                        wall_time=time.time(), step=step, summary=builders[kind](payload)
+                    )
                 self._writer.add_event(event)
         except BaseException as err:  # reported to the loop at its next write
             self._error = err
@@ -328,7 +339,11 @@ def tensorboard(
     histograms = None if histograms_every_n_steps is None else EveryNSteps(histograms_every_n_steps)
     name = f"tensorboard({logdir})"
     write_metrics(
-        loop, writer, every_n_steps=every_n_steps, learning_rate=learning_rate, name=name,
+        loop,
+        writer,
+        every_n_steps=every_n_steps,
+        learning_rate=learning_rate,
+        name=name,
         priority=priority,
     )
     if not is_writer_process():
@@ -340,17 +355,22 @@ def tensorboard(
             lambda loop, metrics: writer.write_text(
                 loop.trainer.global_step, RUN_SUMMARY_TAG, run_summary(loop.trainer)
             ),
-            priority, when=FirstNSteps(1, of_process=True), check_finite=False,
+            priority,
+            when=FirstNSteps(1, of_process=True),
+            check_finite=False,
         )
     if histograms is not None:
+
         def write_histograms(loop: Loop, metrics: Any) -> None:
             # Copies: the state's buffers are donated to the next step before the writer
             # thread reads them.
             leaves = jax.tree_util.tree_flatten_with_path(loop.trainer.params)[0]
-            writer.write_histograms(loop.trainer.global_step, {
-                f"params/{_path_name(path)}": jnp.copy(leaf) for path, leaf in leaves
-            })
+            writer.write_histograms(
+                loop.trainer.global_step,
+                {f"params/{_path_name(path)}": jnp.copy(leaf) for path, leaf in leaves},
+            )
 
-        loop.on_step(f"{name}: histograms", write_histograms, priority, when=histograms,
-                     check_finite=False)
+        loop.on_step(
+            f"{name}: histograms", write_histograms, priority, when=histograms, check_finite=False
+        )
     return writer

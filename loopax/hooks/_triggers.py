@@ -13,7 +13,8 @@ fires every 1000 steps costs nothing on the other 999.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..trainer._hooks import Hook, Priority, Schedule
 from ..trainer._loop import Loop
@@ -194,7 +195,11 @@ def exponential_callback(
       ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
     """
     return on_schedule(
-        loop, Exponential(start_step, factor), name, fn, call_on_end=call_on_end,
+        loop,
+        Exponential(start_step, factor),
+        name,
+        fn,
+        call_on_end=call_on_end,
         priority=priority,
     )
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import abc
 import atexit
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..trainer._hooks import Priority, Schedule
 from ..trainer._loop import Loop
-from ._metric_info import is_writer_process
 from ._loop_schedules import EveryNSteps
+from ._metric_info import is_writer_process
 
 Waiter = Callable[[], None]
 
@@ -45,7 +46,8 @@ class MetricWriter(abc.ABC):
 
     def truncate_after(self, step: int) -> None:
         """Drops the points written for steps after `step` (a resume or a rollback will
-        write them again). Outputs that cannot drop points may ignore it."""
+        write them again). Outputs that cannot drop points may ignore it.
+        """
         del step
 
     def flush(self) -> None:
@@ -170,7 +172,9 @@ def write_metrics(
         )
     if when is None:
         if every_n_steps is None:
-            raise ValueError("write_metrics needs every_n_steps=... or when=... for the train metrics")
+            raise ValueError(
+                "write_metrics needs every_n_steps=... or when=... for the train metrics"
+            )
         when = EveryNSteps(every_n_steps)
     hooks = WriterHooks(writer, when, call_on_end=call_on_end, learning_rate=learning_rate)
     if not is_writer_process():

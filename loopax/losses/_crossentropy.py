@@ -27,14 +27,10 @@ EPSILON = 1e-7
 
 def _check_class_axis(loss_name: str, predictions: jax.Array) -> None:
     if predictions.ndim == 0:
-        raise ValueError(
-            f"{loss_name}: predictions must have a trailing class axis, got a scalar"
-        )
+        raise ValueError(f"{loss_name}: predictions must have a trailing class axis, got a scalar")
 
 
-def binary_crossentropy(
-    labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
-) -> jax.Array:
+def binary_crossentropy(labels: Sequence[jax.Array], predictions: Sequence[jax.Array]) -> jax.Array:
     """Binary cross-entropy of probabilities: `-(y log p + (1 - y) log(1 - p))`.
 
     `p` is clipped to `[1e-7, 1 - 1e-7]`, so a prediction of exactly 0 or 1 gives a large
@@ -67,9 +63,7 @@ def binary_crossentropy(
     probability = jnp.clip(prediction.astype(dtype), EPSILON, 1 - EPSILON)
     per_element = -(target * jnp.log(probability) + (1 - target) * jnp.log1p(-probability))
     allowed_shapes = {target.shape: "labels' shape"}
-    return reduce_loss(
-        loss_name, per_element, extras, allowed_shapes, result_dtype(prediction)
-    )
+    return reduce_loss(loss_name, per_element, extras, allowed_shapes, result_dtype(prediction))
 
 
 def binary_crossentropy_logits(
@@ -110,9 +104,7 @@ def binary_crossentropy_logits(
     # has the kinks of max and abs at 0, where JAX's gradient came out as -y.
     per_element = jax.nn.softplus(logits) - logits * target
     allowed_shapes = {target.shape: "labels' shape"}
-    return reduce_loss(
-        loss_name, per_element, extras, allowed_shapes, result_dtype(prediction)
-    )
+    return reduce_loss(loss_name, per_element, extras, allowed_shapes, result_dtype(prediction))
 
 
 def _categorical(
@@ -131,9 +123,7 @@ def _categorical(
     # `where` keeps 0 * log(p) at 0 even for logits of -inf (a common way to mask classes).
     per_example = jnp.sum(jnp.where(target == 0, 0, -target * log_probabilities), axis=-1)
     allowed_shapes = {target.shape[:-1]: "labels' shape without the last (class) axis"}
-    return reduce_loss(
-        loss_name, per_example, extras, allowed_shapes, result_dtype(prediction)
-    )
+    return reduce_loss(loss_name, per_example, extras, allowed_shapes, result_dtype(prediction))
 
 
 def categorical_crossentropy(
@@ -257,9 +247,7 @@ def sparse_categorical_crossentropy_logits(
             f"{loss_name}: labels shape {class_ids.shape} does not match logits shape "
             f"{prediction.shape}; expected {example_shape} or {example_shape + (1,)}"
         )
-    log_probabilities = jax.nn.log_softmax(
-        prediction.astype(compute_dtype(prediction)), axis=-1
-    )
+    log_probabilities = jax.nn.log_softmax(prediction.astype(compute_dtype(prediction)), axis=-1)
     num_classes = prediction.shape[-1]
     in_range = (class_ids >= 0) & (class_ids < num_classes)
     gathered = jnp.take_along_axis(
@@ -268,6 +256,4 @@ def sparse_categorical_crossentropy_logits(
     # An out-of-range class id is a data bug: make it a visible NaN, not a clamped class.
     per_example = jnp.where(in_range, -gathered, jnp.nan)
     allowed_shapes = {example_shape: "logits' shape without the last (class) axis"}
-    return reduce_loss(
-        loss_name, per_example, extras, allowed_shapes, result_dtype(prediction)
-    )
+    return reduce_loss(loss_name, per_example, extras, allowed_shapes, result_dtype(prediction))

@@ -37,9 +37,7 @@ def _elementwise_loss(
     )
 
 
-def mean_squared_error(
-    labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
-) -> jax.Array:
+def mean_squared_error(labels: Sequence[jax.Array], predictions: Sequence[jax.Array]) -> jax.Array:
     """Mean of the squared error `(labels[0] - predictions[0]) ** 2`.
 
     Args:
@@ -63,9 +61,7 @@ def mean_squared_error(
     return _elementwise_loss("mean_squared_error", labels, predictions, jnp.square)
 
 
-def mean_absolute_error(
-    labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
-) -> jax.Array:
+def mean_absolute_error(labels: Sequence[jax.Array], predictions: Sequence[jax.Array]) -> jax.Array:
     """Mean of the absolute error `abs(labels[0] - predictions[0])`.
 
     Args:
@@ -126,9 +122,7 @@ def huber(delta: float = 1.0) -> LossFn:
         quadratic = jnp.minimum(abs_error, delta)
         return 0.5 * quadratic**2 + delta * (abs_error - quadratic)
 
-    def huber_loss(
-        labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
-    ) -> jax.Array:
+    def huber_loss(labels: Sequence[jax.Array], predictions: Sequence[jax.Array]) -> jax.Array:
         return _elementwise_loss("huber", labels, predictions, per_element)
 
     huber_loss.__name__ = huber_loss.__qualname__ = "huber"

@@ -17,7 +17,8 @@ scikit-learn), so the result stays a fraction in [0, 1].
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +29,12 @@ from ._mean import Mean, MeanState, MovingAverage
 ACCURACY_METRIC_TYPE = "accuracy"
 
 
-def _mask_and_weights(culprit: str, extras: Sequence[Any], shape: tuple[int, ...],
-                      shape_doc: str) -> tuple[jax.Array | None, jax.Array | None]:
+def _mask_and_weights(
+    culprit: str, extras: Sequence[Any], shape: tuple[int, ...], shape_doc: str
+) -> tuple[jax.Array | None, jax.Array | None]:
     """Sorts the extra labels into (mask, weights), checking dtypes and shapes."""
     mask = weights = None
-    expected = (f"expected a bool mask and/or float weights of shape {shape} ({shape_doc})")
+    expected = f"expected a bool mask and/or float weights of shape {shape} ({shape_doc})"
     for index, extra in enumerate(extras, start=1):
         extra = jnp.asarray(extra)
         if extra.dtype == jnp.bool_:
@@ -43,26 +45,32 @@ def _mask_and_weights(culprit: str, extras: Sequence[Any], shape: tuple[int, ...
             raise ValueError(f"{culprit}: labels[{index}] has dtype {extra.dtype}; {expected}")
         if extra.shape != shape:
             raise ValueError(
-                f"{culprit}: labels[{index}] ({kind}) has shape {extra.shape}; {expected}")
+                f"{culprit}: labels[{index}] ({kind}) has shape {extra.shape}; {expected}"
+            )
         if kind == "mask":
             if mask is not None:
                 raise ValueError(f"{culprit}: more than one bool mask in labels[1:]; {expected}")
             mask = extra
         else:
             if weights is not None:
-                raise ValueError(f"{culprit}: more than one float weights array in labels[1:]; "
-                                 f"{expected}")
+                raise ValueError(
+                    f"{culprit}: more than one float weights array in labels[1:]; {expected}"
+                )
             weights = extra
     return mask, weights
 
 
-def _weighted_correct(correct: jax.Array, mask: jax.Array | None,
-                      weights: jax.Array | None) -> MeanState:
+def _weighted_correct(
+    correct: jax.Array, mask: jax.Array | None, weights: jax.Array | None
+) -> MeanState:
     """Sums the weights of the correct entries and all weights, over masked-in entries."""
     if mask is None and weights is None:
-        return MeanState(jnp.sum(correct, dtype=jnp.float32),
-                         jnp.asarray(correct.size, jnp.float32))
-    weight = jnp.ones(correct.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+        return MeanState(
+            jnp.sum(correct, dtype=jnp.float32), jnp.asarray(correct.size, jnp.float32)
+        )
+    weight = (
+        jnp.ones(correct.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    )
     if mask is not None:
         # `where`, not a product: weights of masked-out entries may be NaN or inf.
         weight = jnp.where(mask, weight, 0.0)
@@ -71,13 +79,16 @@ def _weighted_correct(correct: jax.Array, mask: jax.Array | None,
 
 def _first(culprit: str, labels: Sequence[Any], predictions: Sequence[Any]):
     if len(labels) == 0 or len(predictions) == 0:
-        raise ValueError(f"{culprit}: needs labels[0] and predictions[0], got {len(labels)} "
-                         f"labels and {len(predictions)} predictions")
+        raise ValueError(
+            f"{culprit}: needs labels[0] and predictions[0], got {len(labels)} "
+            f"labels and {len(predictions)} predictions"
+        )
     return jnp.asarray(labels[0]), jnp.asarray(predictions[0])
 
 
-def sparse_categorical_correct(culprit: str, labels: Sequence[jax.Array],
-                               predictions: Sequence[jax.Array]) -> MeanState:
+def sparse_categorical_correct(
+    culprit: str, labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
+) -> MeanState:
     """Returns the batch's `MeanState` of `argmax(predictions[0]) == labels[0]`.
 
     Args:
@@ -94,19 +105,22 @@ def sparse_categorical_correct(culprit: str, labels: Sequence[jax.Array],
     """
     label, logits = _first(culprit, labels, predictions)
     if logits.ndim == 0:
-        raise ValueError(f"{culprit}: predictions[0] must have a trailing class axis [..., C], "
-                         "got a scalar")
+        raise ValueError(
+            f"{culprit}: predictions[0] must have a trailing class axis [..., C], got a scalar"
+        )
     example_shape = logits.shape[:-1]
     if label.shape == example_shape + (1,):
         label = label.reshape(example_shape)
     elif label.shape != example_shape:
         raise ValueError(
             f"{culprit}: labels[0] has shape {label.shape}; for predictions of shape "
-            f"{logits.shape} expected {example_shape} or {example_shape + (1,)}")
+            f"{logits.shape} expected {example_shape} or {example_shape + (1,)}"
+        )
     if not jnp.issubdtype(label.dtype, jnp.integer):
         raise ValueError(f"{culprit}: labels[0] must be integer class ids, got dtype {label.dtype}")
-    mask, weights = _mask_and_weights(culprit, labels[1:], example_shape,
-                                      "all but the last axis of predictions[0]")
+    mask, weights = _mask_and_weights(
+        culprit, labels[1:], example_shape, "all but the last axis of predictions[0]"
+    )
     correct = jnp.argmax(logits, axis=-1) == label
     return _weighted_correct(correct, mask, weights)
 
@@ -120,12 +134,14 @@ def _binary_label_and_prediction(culprit: str, labels, predictions):
         else:
             raise ValueError(
                 f"{culprit}: predictions[0] has shape {prediction.shape} and labels[0] shape "
-                f"{label.shape}; expected equal shapes (or differing by a trailing axis of 1)")
+                f"{label.shape}; expected equal shapes (or differing by a trailing axis of 1)"
+            )
     return label.astype(jnp.float32), prediction.astype(jnp.float32)
 
 
-def binary_correct(culprit: str, labels: Sequence[jax.Array],
-                   predictions: Sequence[jax.Array]) -> MeanState:
+def binary_correct(
+    culprit: str, labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
+) -> MeanState:
     """Returns the batch's `MeanState` of `abs(labels[0] - predictions[0]) < 0.5`.
 
     A probability of exactly 0.5 is always a miss (GoMLX).
@@ -147,8 +163,9 @@ def binary_correct(culprit: str, labels: Sequence[jax.Array],
     return _weighted_correct(jnp.abs(label - probability) < 0.5, mask, weights)
 
 
-def binary_logits_correct(culprit: str, labels: Sequence[jax.Array],
-                          predictions: Sequence[jax.Array]) -> MeanState:
+def binary_logits_correct(
+    culprit: str, labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
+) -> MeanState:
     """Returns the batch's `MeanState` of `predictions[0] * (labels[0] - 0.5) > 0`.
 
     A logit of exactly 0 is always a miss (GoMLX).
@@ -205,9 +222,12 @@ class SparseCategoricalAccuracy(_PercentMixin, Mean):
     """
 
     def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(name, functools.partial(sparse_categorical_correct,
-                                                 f"SparseCategoricalAccuracy {name!r}"),
-                         short_name=short_name, metric_type=ACCURACY_METRIC_TYPE)
+        super().__init__(
+            name,
+            functools.partial(sparse_categorical_correct, f"SparseCategoricalAccuracy {name!r}"),
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )
 
 
 class BinaryAccuracy(_PercentMixin, Mean):
@@ -233,8 +253,12 @@ class BinaryAccuracy(_PercentMixin, Mean):
     """
 
     def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(name, functools.partial(binary_correct, f"BinaryAccuracy {name!r}"),
-                         short_name=short_name, metric_type=ACCURACY_METRIC_TYPE)
+        super().__init__(
+            name,
+            functools.partial(binary_correct, f"BinaryAccuracy {name!r}"),
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )
 
 
 class BinaryLogitsAccuracy(_PercentMixin, Mean):
@@ -260,9 +284,12 @@ class BinaryLogitsAccuracy(_PercentMixin, Mean):
     """
 
     def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(name, functools.partial(binary_logits_correct,
-                                                 f"BinaryLogitsAccuracy {name!r}"),
-                         short_name=short_name, metric_type=ACCURACY_METRIC_TYPE)
+        super().__init__(
+            name,
+            functools.partial(binary_logits_correct, f"BinaryLogitsAccuracy {name!r}"),
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )
 
 
 class MovingAverageSparseCategoricalAccuracy(_PercentMixin, MovingAverage):
@@ -290,12 +317,22 @@ class MovingAverageSparseCategoricalAccuracy(_PercentMixin, MovingAverage):
       '75.00%'
     """
 
-    def __init__(self, *, name: str = "Moving Average Accuracy", short_name: str = "~acc",
-                 new_example_weight: float = 0.01):
-        super().__init__(name, functools.partial(sparse_categorical_correct,
-                                                 f"MovingAverageSparseCategoricalAccuracy {name!r}"),
-                         new_example_weight=new_example_weight, short_name=short_name,
-                         metric_type=ACCURACY_METRIC_TYPE)
+    def __init__(
+        self,
+        *,
+        name: str = "Moving Average Accuracy",
+        short_name: str = "~acc",
+        new_example_weight: float = 0.01,
+    ):
+        super().__init__(
+            name,
+            functools.partial(
+                sparse_categorical_correct, f"MovingAverageSparseCategoricalAccuracy {name!r}"
+            ),
+            new_example_weight=new_example_weight,
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )
 
 
 class MovingAverageBinaryAccuracy(_PercentMixin, MovingAverage):
@@ -321,12 +358,20 @@ class MovingAverageBinaryAccuracy(_PercentMixin, MovingAverage):
       '25.00%'
     """
 
-    def __init__(self, *, name: str = "Moving Average Accuracy", short_name: str = "~acc",
-                 new_example_weight: float = 0.01):
-        super().__init__(name, functools.partial(binary_correct,
-                                                 f"MovingAverageBinaryAccuracy {name!r}"),
-                         new_example_weight=new_example_weight, short_name=short_name,
-                         metric_type=ACCURACY_METRIC_TYPE)
+    def __init__(
+        self,
+        *,
+        name: str = "Moving Average Accuracy",
+        short_name: str = "~acc",
+        new_example_weight: float = 0.01,
+    ):
+        super().__init__(
+            name,
+            functools.partial(binary_correct, f"MovingAverageBinaryAccuracy {name!r}"),
+            new_example_weight=new_example_weight,
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )
 
 
 class MovingAverageBinaryLogitsAccuracy(_PercentMixin, MovingAverage):
@@ -350,9 +395,17 @@ class MovingAverageBinaryLogitsAccuracy(_PercentMixin, MovingAverage):
       '50.00%'
     """
 
-    def __init__(self, *, name: str = "Moving Average Accuracy", short_name: str = "~acc",
-                 new_example_weight: float = 0.01):
-        super().__init__(name, functools.partial(binary_logits_correct,
-                                                 f"MovingAverageBinaryLogitsAccuracy {name!r}"),
-                         new_example_weight=new_example_weight, short_name=short_name,
-                         metric_type=ACCURACY_METRIC_TYPE)
+    def __init__(
+        self,
+        *,
+        name: str = "Moving Average Accuracy",
+        short_name: str = "~acc",
+        new_example_weight: float = 0.01,
+    ):
+        super().__init__(
+            name,
+            functools.partial(binary_logits_correct, f"MovingAverageBinaryLogitsAccuracy {name!r}"),
+            new_example_weight=new_example_weight,
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+        )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,11 +87,18 @@ def _mean_partial(name: str, fn: MetricFn, labels, predictions) -> MeanState:
     """Reduces `fn(labels, predictions)` to the batch's `MeanState`."""
     value = fn(labels, predictions)
     if isinstance(value, MeanState):  # fn did its own weighting (masks, weights)
-        return MeanState(jnp.asarray(value.total, jnp.float32), jnp.asarray(value.weight, jnp.float32))
+        return MeanState(
+            jnp.asarray(value.total, jnp.float32), jnp.asarray(value.weight, jnp.float32)
+        )
     value = jnp.asarray(value)
-    if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
-            or value.dtype == jnp.bool_):
-        raise ValueError(f"metric {name!r}: fn returned dtype {value.dtype}; expected a real number")
+    if not (
+        jnp.issubdtype(value.dtype, jnp.floating)
+        or jnp.issubdtype(value.dtype, jnp.integer)
+        or value.dtype == jnp.bool_
+    ):
+        raise ValueError(
+            f"metric {name!r}: fn returned dtype {value.dtype}; expected a real number"
+        )
     value = value.astype(jnp.float32)  # bfloat16/float16 sums lose too much precision
     if value.ndim == 0:
         # A scalar is taken as the batch mean, so it counts once per example.
@@ -139,8 +147,9 @@ class Mean(Metric):
       '0.5'
     """
 
-    def __init__(self, name: str, fn: MetricFn, *, short_name: str | None = None,
-                 metric_type: str = ""):
+    def __init__(
+        self, name: str, fn: MetricFn, *, short_name: str | None = None, metric_type: str = ""
+    ):
         _check_name_and_fn(name, fn)
         self.name = name
         self.short_name = name if short_name is None else short_name
@@ -212,13 +221,21 @@ class MovingAverage(Metric):
       2.0
     """
 
-    def __init__(self, name: str, fn: MetricFn, *, new_example_weight: float = 0.01,
-                 short_name: str | None = None, metric_type: str = ""):
+    def __init__(
+        self,
+        name: str,
+        fn: MetricFn,
+        *,
+        new_example_weight: float = 0.01,
+        short_name: str | None = None,
+        metric_type: str = "",
+    ):
         _check_name_and_fn(name, fn)
         if not 0.0 < new_example_weight <= 1.0:
             raise ValueError(
                 f"MovingAverage {name!r}: new_example_weight={new_example_weight} must be in "
-                "(0, 1]; 0.01 (the default) averages over about the last 100 batches")
+                "(0, 1]; 0.01 (the default) averages over about the last 100 batches"
+            )
         self.name = name
         self.short_name = name if short_name is None else short_name
         self.metric_type = metric_type
@@ -258,8 +275,9 @@ class MovingAverage(Metric):
         return state.mean
 
 
-def moving_average_step(state: MovingAverageState, partial: MeanState,
-                        new_example_weight: float) -> MovingAverageState:
+def moving_average_step(
+    state: MovingAverageState, partial: MeanState, new_example_weight: float
+) -> MovingAverageState:
     """One GoMLX moving-average update with the batch mean held in `partial`.
 
     Args:
@@ -274,12 +292,17 @@ def moving_average_step(state: MovingAverageState, partial: MeanState,
     weight = jnp.maximum(jnp.float32(new_example_weight), 1.0 / count.astype(jnp.float32))
     mean = state.mean * (1.0 - weight) + mean_of(partial) * weight
     has_data = partial.weight != 0
-    return MovingAverageState(jnp.where(has_data, mean, state.mean),
-                              jnp.where(has_data, count, state.count))
+    return MovingAverageState(
+        jnp.where(has_data, mean, state.mean), jnp.where(has_data, count, state.count)
+    )
 
 
 def _check_name_and_fn(name: str, fn: MetricFn) -> None:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"a metric needs a non-empty name (its key in the metrics dict), got {name!r}")
+        raise ValueError(
+            f"a metric needs a non-empty name (its key in the metrics dict), got {name!r}"
+        )
     if not callable(fn):
-        raise TypeError(f"metric {name!r}: fn must be callable as fn(labels, predictions), got {fn!r}")
+        raise TypeError(
+            f"metric {name!r}: fn must be callable as fn(labels, predictions), got {fn!r}"
+        )

@@ -100,8 +100,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
     """
     if np.ndim(value) != 0:
         raise ValueError(
-            f"set_learning_rate: the learning rate must be a scalar, got shape "
-            f"{np.shape(value)}."
+            f"set_learning_rate: the learning rate must be a scalar, got shape {np.shape(value)}."
         )
     if not isinstance(value, jax.core.Tracer) and np.any(np.asarray(value) < 0):
         raise ValueError(f"set_learning_rate: learning rate {value!r} must be non-negative.")
@@ -138,9 +137,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
             hyperparams = {**hyperparams, _LEARNING_RATE: new}
         return node._replace(
             hyperparams=hyperparams,
-            inner_state=jax.tree_util.tree_map(
-                replace, node.inner_state, is_leaf=_has_hyperparams
-            ),
+            inner_state=jax.tree_util.tree_map(replace, node.inner_state, is_leaf=_has_hyperparams),
         )
 
     return jax.tree_util.tree_map(replace, opt_state, is_leaf=_has_hyperparams)
@@ -149,7 +146,8 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
 def constant_learning_rate(opt_state: Any) -> float | None:
     """The learning rate `get_learning_rate` finds, as a float, when no schedule drives it
     (it then changes only through `set_learning_rate`); None otherwise or when there is none.
-    Reads the (host) value: call it on a host copy of the state."""
+    Reads the (host) value: call it on a host copy of the state.
+    """
     states = _injected_states(opt_state)
     if not states or _is_scheduled(states[0]):
         return None

@@ -11,7 +11,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,9 +34,7 @@ def _check_learning_rate(optimizer: str, learning_rate: Any) -> None:
             "loopax.optimizers.cosine_decay(...))."
         )
     if learning_rate < 0:
-        raise ValueError(
-            f"{optimizer}: learning_rate={learning_rate!r} must be non-negative."
-        )
+        raise ValueError(f"{optimizer}: learning_rate={learning_rate!r} must be non-negative.")
 
 
 def _clipping(
@@ -112,9 +111,7 @@ def sgd(
         [-0.5, 0.5]
     """
     if momentum is not None and not 0.0 <= momentum < 1.0:
-        raise ValueError(
-            f"sgd: momentum={momentum!r} must be in [0, 1), or None for no momentum."
-        )
+        raise ValueError(f"sgd: momentum={momentum!r} must be in [0, 1), or None for no momentum.")
     if nesterov and momentum is None:
         raise ValueError("sgd: nesterov=True needs a momentum, e.g. momentum=0.9.")
     return _build(

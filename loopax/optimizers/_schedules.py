@@ -40,9 +40,7 @@ def constant_schedule(value: float) -> optax.Schedule:
     return optax.constant_schedule(value)
 
 
-def cosine_decay(
-    init_value: float, decay_steps: int, alpha: float = 0.0
-) -> optax.Schedule:
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> optax.Schedule:
     """Returns a cosine decay from ``init_value`` to ``alpha * init_value``.
 
     The value at step ``t`` is
@@ -179,4 +177,3 @@ def exponential_decay(
         staircase=staircase,
         end_value=end_value,
     )
-

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,16 +32,20 @@ def signature(arrays: list[Any], what: str, spec: Any) -> tuple:
 
 def dropped_examples_warning(dataset: Any) -> str | None:
     """Says how many examples one pass over `dataset` skips, read from its attributes
-    (`num_examples`, `batch_size`, `drop_remainder`, as `ArrayDataset` has), or None."""
+    (`num_examples`, `batch_size`, `drop_remainder`, as `ArrayDataset` has), or None.
+    """
     num_examples = getattr(dataset, "num_examples", None)
     batch_size = getattr(dataset, "batch_size", None)
     drop_remainder = getattr(dataset, "drop_remainder", False)
     if not (isinstance(drop_remainder, (bool, np.bool_)) and drop_remainder):
         return None
-    if not all(
-        isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-        for value in (num_examples, batch_size)
-    ) or batch_size < 1:
+    if (
+        not all(
+            isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            for value in (num_examples, batch_size)
+        )
+        or batch_size < 1
+    ):
         return None
     dropped = int(num_examples) % int(batch_size)
     if not dropped:
@@ -54,8 +59,13 @@ def dropped_examples_warning(dataset: Any) -> str | None:
 
 
 def validate_batch(
-    graph: str, spec: Any, key_spec: Hashable, inputs: list, labels: list,
-    input_counts: dict, local_devices: int,
+    graph: str,
+    spec: Any,
+    key_spec: Hashable,
+    inputs: list,
+    labels: list,
+    input_counts: dict,
+    local_devices: int,
 ) -> int:
     """Checks a batch's arrays; returns its (local) batch size.
 
@@ -130,7 +140,8 @@ def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[li
 
 def check_same_batch_size_everywhere(spec: Any, batch: int) -> None:
     """Multi-process: every process must split its batch the same way; all raise
-    together (not one raising while the others wait in a collective) when not."""
+    together (not one raising while the others wait in a collective) when not.
+    """
     from jax.experimental import multihost_utils
 
     sizes = np.asarray(multihost_utils.process_allgather(np.asarray(batch, np.int32))).ravel()

@@ -1,9 +1,11 @@
 """The `Dataset` protocol, `ArrayDataset` (in-memory arrays), and the helpers every reader of
-datasets shares; iterables (grain's too) are in `_iterables`."""
+datasets shares; iterables (grain's too) are in `_iterables`.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -215,8 +217,11 @@ def dataset_name(dataset: Any) -> str:
     """
     name = getattr(dataset, "name", None)
     if not isinstance(name, str) or not name:
-        shown = repr(dataset) if callable(getattr(dataset, "yield_batch", None)) else (
-            f"a {type(dataset).__name__}")
+        shown = (
+            repr(dataset)
+            if callable(getattr(dataset, "yield_batch", None))
+            else (f"a {type(dataset).__name__}")
+        )
         raise ValueError(
             f"dataset {shown} needs a non-empty str `name` so its results can be stored and "
             "shown under it; e.g. ArrayDataset(..., name='test'), or for an iterable of batches "
@@ -227,7 +232,11 @@ def dataset_name(dataset: Any) -> str:
 
 def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
     """The error for a `yield_batch()` result that is not `(spec, inputs, labels)`."""
-    size = f"a tuple of {len(batch)} items" if isinstance(batch, tuple) else f"a {type(batch).__name__}"
+    size = (
+        f"a tuple of {len(batch)} items"
+        if isinstance(batch, tuple)
+        else f"a {type(batch).__name__}"
+    )
     return ValueError(
         f"dataset {getattr(dataset, 'name', dataset)!r} yielded {size}; yield_batch() must "
         "return (spec, inputs, labels). For (inputs, labels) pairs return "

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
 from ._datasets import Dataset, as_list, read_batches
-from ._iterables import evaluation_dataset
 from ._inflight import InFlight
+from ._iterables import evaluation_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor
@@ -76,7 +77,8 @@ class EvalSteps:
         self, spec: Any, inputs: list, labels: list, batch: int
     ) -> dict[str, jax.Array]:
         """`eval_step` for a batch of `batch` examples that the (local) devices do not
-        divide: one compiled step per shape, as for any batch (see `_split_uneven_batch`)."""
+        divide: one compiled step per shape, as for any batch (see `_split_uneven_batch`).
+        """
         if self._multi_process:
             check_same_batch_size_everywhere(spec, batch)
         executor = self._executor("eval", spec, inputs, labels)

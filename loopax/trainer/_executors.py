@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 logger = logging.getLogger("loopax")
 
@@ -92,7 +93,10 @@ class ExecutorCache:
                 "loopax: evicting the compiled %s step for spec %r with input shapes %s and "
                 "label shapes %s: more than max_executors=%d distinct specs/shapes are in use. "
                 "Pad or bucket batches to a few shapes, or raise max_executors.",
-                info.graph_type, info.spec, info.input_shapes, info.label_shapes,
+                info.graph_type,
+                info.spec,
+                info.input_shapes,
+                info.label_shapes,
                 self.max_size,
             )
 

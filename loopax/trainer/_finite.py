@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -60,7 +61,9 @@ class FiniteChecker:
 
     def start_run(self, trainer: Any, start_step: int) -> None:
         """A run starts at `start_step` with freshly reset train metrics."""
-        self._indicator = SKIPPED_STEPS if SKIPPED_STEPS in trainer.train_metric_names else MOVING_AVERAGE
+        self._indicator = (
+            SKIPPED_STEPS if SKIPPED_STEPS in trainer.train_metric_names else MOVING_AVERAGE
+        )
         self._skipped_seen = 0.0
         self.checked_through = start_step - 1
         self.failure = None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,7 +19,14 @@ if TYPE_CHECKING:
 
 Metrics = dict[str, Any]
 PHASES = (
-    "OnStart", "OnStep", "OnEpochEnd", "OnEnd", "OnEvaluation", "OnRestore", "OnFlush", "OnError"
+    "OnStart",
+    "OnStep",
+    "OnEpochEnd",
+    "OnEnd",
+    "OnEvaluation",
+    "OnRestore",
+    "OnFlush",
+    "OnError",
 )
 
 
@@ -83,7 +91,9 @@ class HookRegistry:
                 raise TypeError(f"hook {name!r}: {when!r} is a schedule for loop.{where}")
         if check_finite is None:
             check_finite = int(priority) >= Priority.CHECKPOINT and phase in (
-                "OnStep", "OnEpochEnd", "OnEnd"
+                "OnStep",
+                "OnEpochEnd",
+                "OnEnd",
             )
         hook = Hook(phase, name, fn, int(priority), next(self._order), when, bool(check_finite))
         # A new list, not an insertion: a phase that is running (a hook registering another)
@@ -144,7 +154,8 @@ class HookRegistry:
         """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`
         (or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`), after the OnStep
         hooks of the epoch's last step; `loop.epoch` is the epoch that ended, and, as in
-        OnEnd, `loop_step` is one past its last step (`== trainer.global_step`)."""
+        OnEnd, `loop_step` is one past its last step (`== trainer.global_step`).
+        """
         return self._register("OnEpochEnd", name, fn, priority, when, check_finite)
 
     def on_end(
@@ -162,13 +173,15 @@ class HookRegistry:
         self, name: str, fn: Callable[[Loop, Evaluation], Any], priority: int = 0
     ) -> Hook:
         """Registers `fn(loop, evaluation)` to run for every `Evaluation` that
-        `loop.evaluate` publishes (one per dataset and global step)."""
+        `loop.evaluate` publishes (one per dataset and global step).
+        """
         return self._register("OnEvaluation", name, fn, priority)
 
     def on_restore(self, name: str, fn: Callable[[Loop, int], Any], priority: int = 0) -> Hook:
         """Registers `fn(loop, step)` to run whenever the training continues from an
         earlier global `step` (`resume_from`: a checkpoint restore or a rollback); writers
-        drop what they wrote after `step` there."""
+        drop what they wrote after `step` there.
+        """
         return self._register("OnRestore", name, fn, priority)
 
     def on_flush(
@@ -176,14 +189,16 @@ class HookRegistry:
     ) -> Hook:
         """Registers `fn(loop, None)` to run when `loop.flush()` is called (before every
         checkpoint commit): it starts writing out what its output holds and may return a
-        function that waits until that is on disk."""
+        function that waits until that is on disk.
+        """
         return self._register("OnFlush", name, fn, priority)
 
     def on_error(
         self, name: str, fn: Callable[[Loop, BaseException], Any], priority: int = 0
     ) -> Hook:
         """Registers `fn(loop, error)` to run when a run raises (its own errors are logged,
-        and the run's error propagates), e.g. to wait for saves in flight."""
+        and the run's error propagates), e.g. to wait for saves in flight.
+        """
         return self._register("OnError", name, fn, priority)
 
     def hooks(self, phase: str) -> list[tuple[int, str]]:
@@ -198,8 +213,11 @@ class HookRegistry:
         """Registers `obj` (with `get_state() -> dict` and `set_state(dict)`) so that
         checkpoints save and restore it with the loop; returns the name it is kept under
         (`name`, or `name#2`, ... when taken). A state saved under that name and not
-        applied yet is applied now."""
-        if not (callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))):
+        applied yet is applied now.
+        """
+        if not (
+            callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
+        ):
             raise TypeError(f"state {name!r} needs get_state() and set_state(state) methods")
         unique, count = name, 2
         while unique in self._states:
@@ -212,17 +230,20 @@ class HookRegistry:
     def get_state(self) -> dict[str, Any]:
         """The loop's resumable state (JSON-serializable): the history, every state
         registered with `add_state` (trigger schedules, early stopping, ...), and the run in
-        progress (so that resuming it continues its train metrics' averages)."""
+        progress (so that resuming it continues its train metrics' averages).
+        """
         return {
             "history": self.history.get_state(),
             "hooks": {name: obj.get_state() for name, obj in self._states.items()},
             "run": {"start_step": self.start_step, "end_step": self.end_step}
-            if self._running else None,
+            if self._running
+            else None,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores a `get_state()` result; states of hooks not registered yet wait for
-        their registration."""
+        their registration.
+        """
         if "history" in state:
             self.history.set_state(state["history"])
         self._resumed_run = state.get("run")
@@ -235,7 +256,8 @@ class HookRegistry:
     def call_after_hooks(self, fn: Callable[[], None]) -> None:
         """Runs `fn()` once the hooks of the current phase have all run (this step's
         OnStep hooks, or the OnEnd hooks); at once outside a run. A checkpoint commits
-        there, after the logs of its step are written."""
+        there, after the logs of its step are written.
+        """
         if self._running:
             self._after_hooks.append(fn)
         else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import abc
 import enum
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._loop import Loop
@@ -44,8 +45,7 @@ class HookError(RuntimeError):
         self.hook_name = hook_name
         self.step = step
         super().__init__(
-            f"{phase} hook {hook_name!r} failed at step {step}: "
-            f"{type(error).__name__}: {error}"
+            f"{phase} hook {hook_name!r} failed at step {step}: {type(error).__name__}: {error}"
         )
 
 
@@ -79,7 +79,8 @@ class Schedule(abc.ABC):
 
     def next_step(self, loop: Loop, step: int) -> int:
         """The first step index `>= step` at which `should_fire` may be True (`NEVER` for
-        none). The default asks at every step."""
+        none). The default asks at every step.
+        """
         return step
 
     @abc.abstractmethod

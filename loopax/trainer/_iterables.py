@@ -11,13 +11,12 @@ import base64
 import json
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from ._datasets import Batch, Dataset, as_list
-
 
 _ELEMENT_FORMS = (
     "(inputs, labels), (spec, inputs, labels) or a dict {'inputs': ..., 'labels': ...} "
@@ -338,7 +337,8 @@ def check_restartable(dataset: Dataset, reader: str) -> None:
 class RunIterable:
     """The `IterableDataset` of the iterable a `Loop`'s last run read, so that a run on the
     same object goes on where that one stopped, as with a `Dataset`. Only the last is kept:
-    a loop given a new pipeline per run must not hold every old one (and its read-ahead)."""
+    a loop given a new pipeline per run must not hold every old one (and its read-ahead).
+    """
 
     def __init__(self) -> None:
         self._last: tuple[Any, Dataset] | None = None

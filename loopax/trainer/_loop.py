@@ -8,17 +8,18 @@ import logging
 import sys
 import time
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ._datasets import Dataset, bad_batch_error
-from ._iterables import RunIterable, check_restartable
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import History
 from ._hook_registry import PHASES
 from ._hooks import NEVER
 from ._inflight import InFlight, limit_for
+from ._iterables import RunIterable, check_restartable
 from ._loop_metrics import MetricsAccess
 from ._signals import Interrupts, signal_name
 from ._trainer import Trainer
@@ -127,7 +128,9 @@ class Loop(MetricsAccess):
     def report_error(self, error: BaseException) -> None:
         """Makes the run raise `error` once the current step's hooks have run; safe to call
         from another thread (e.g. a background save that failed). Outside a run, the next
-        run raises it at its start."""
+        run raises it at its start.
+        """
+
         def raise_it() -> None:
             raise error
 
@@ -144,7 +147,8 @@ class Loop(MetricsAccess):
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
         """Makes `fn(loop, steps)` handle steps the trainer skipped for a non-finite loss or
         gradient (`Trainer.skip_non_finite_steps`), instead of a warning; None removes it.
-        `hooks.nan_guard` sets it."""
+        `hooks.nan_guard` sets it.
+        """
         self._finite.handler = fn
 
     def check_finite(self) -> None:

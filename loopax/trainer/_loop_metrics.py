@@ -1,9 +1,11 @@
 """The Loop's metrics for hooks: read once per step, logged without waiting, evaluations
-published once."""
+published once.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,11 +38,14 @@ class MetricsAccess(HookRegistry):
         self._evaluations_step = -1
         # Train metrics asked for by `log_train_metrics`, read once their step finished:
         # (loop step, its metrics, extra device values, [(callback, its extra keys)]).
-        self._pending_logs: list[tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]] = []
+        self._pending_logs: list[
+            tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]
+        ] = []
 
     def host_metrics(self) -> dict[str, float]:
         """The latest step's metrics as Python floats, read from the device at most once
-        per step however many hooks ask (it waits for that step)."""
+        per step however many hooks ask (it waits for that step).
+        """
         if self._host_metrics_step != self._metrics_step:
             self._host_metrics = {key: float(np.asarray(v)) for key, v in self.metrics.items()}
             self._host_metrics_step = self._metrics_step
@@ -49,7 +54,8 @@ class MetricsAccess(HookRegistry):
     def record_train_metrics(self) -> dict[str, float]:
         """Reads the latest step's metrics (`host_metrics`), records them in `history` at
         their global step, and returns them keyed `"train/<metric>"`. Writers call it on the
-        steps they log."""
+        steps they log.
+        """
         keyed = {train_key(name): value for name, value in self.host_metrics().items()}
         if keyed:
             self.history.record(self._metrics_step + 1, keyed)
@@ -101,7 +107,8 @@ class MetricsAccess(HookRegistry):
         hooks) to write out; returns a function that waits until all of it is on disk.
 
         A checkpoint calls it after the hooks of the step it saves and waits before it
-        commits, so that a resumed run's logs hold every point up to the checkpoint."""
+        commits, so that a resumed run's logs hold every point up to the checkpoint.
+        """
         self._resolve_logs(NEVER)
         waiters = []
         for hook in self._hooks["OnFlush"]:

@@ -30,7 +30,8 @@ def _as_list(predictions: Any) -> list:
 class LinenModel:
     """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`: the keyword
     it takes among `train`, `training` (True in train steps) and `deterministic` (False in
-    train steps), if any."""
+    train steps), if any.
+    """
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -47,8 +48,16 @@ class LinenModel:
         del spec
         return dict(self.module.init(rngs, *inputs, **self._kwargs(training)))
 
-    def apply(self, variables: dict, spec: Any, inputs: list, training: bool, *, rngs: dict,
-              mutable: list[str]) -> tuple[tuple[list, None], dict]:
+    def apply(
+        self,
+        variables: dict,
+        spec: Any,
+        inputs: list,
+        training: bool,
+        *,
+        rngs: dict,
+        mutable: list[str],
+    ) -> tuple[tuple[list, None], dict]:
         del spec
         predictions, new_state = self.module.apply(
             variables, *inputs, **self._kwargs(training), rngs=rngs, mutable=mutable
@@ -107,8 +116,16 @@ class NnxModel:
             variables[NNX_STATE] = self._rest
         return variables
 
-    def apply(self, variables: dict, spec: Any, inputs: list, training: bool, *, rngs: dict,
-              mutable: list[str]) -> tuple[tuple[list, None], dict]:
+    def apply(
+        self,
+        variables: dict,
+        spec: Any,
+        inputs: list,
+        training: bool,
+        *,
+        rngs: dict,
+        mutable: list[str],
+    ) -> tuple[tuple[list, None], dict]:
         del spec, mutable
         nnx = self._nnx
         params, rng_state, rest = self._templates
@@ -128,7 +145,8 @@ class NnxModel:
 
     def update_module(self, params: dict, model_state: dict) -> Any:
         """Writes the trainer's parameters and model state (host arrays) into the module the
-        user gave, and returns it."""
+        user gave, and returns it.
+        """
         nnx = self._nnx
         params_template, _, rest_template = self._templates
         states = [self._filled(params_template, params)]

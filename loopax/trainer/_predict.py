@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,7 +37,8 @@ class Predict:
 
     def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
         """Predictions for one (local) batch, padded to `size` (a multiple of the devices)
-        and trimmed back."""
+        and trimmed back.
+        """
         count = int(inputs[0].shape[0])
         padded = _pad_to([np.asarray(a) for a in inputs], size)
         executor = self._executor("predict", spec, padded, [])
@@ -96,7 +98,7 @@ class Predict:
                 raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
             size = math.ceil(batch_size / devices) * devices
             parts = [
-                self._predict_batch(spec, [a[start:start + size] for a in inputs], size)
+                self._predict_batch(spec, [a[start : start + size] for a in inputs], size)
                 for start in range(0, total, size)
             ]
         if not parts:

@@ -6,11 +6,10 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name)
-)
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name))
 
 
 def signal_name(signum: int) -> str:

@@ -64,16 +64,14 @@ def to_plain(tree: Any) -> dict:
 
 def _upgrade(path: tuple[str, ...], value: Any, leaf: Any) -> Any:
     """Reads states written by loopax 0.1, whose loss average was float32[2] (no skip count)."""
-    if (
-        path == ("train_metrics", "0")
-        and np.shape(value) == (2,)
-        and np.shape(leaf) == (3,)
-    ):
+    if path == ("train_metrics", "0") and np.shape(value) == (2,) and np.shape(leaf) == (3,):
         return np.concatenate([np.asarray(value), np.zeros((1,), np.asarray(value).dtype)])
     return value
 
 
-_DIFFERENT_MODEL = "was it saved by another model or optimizer? Use a new directory for a different model"
+_DIFFERENT_MODEL = (
+    "was it saved by another model or optimizer? Use a new directory for a different model"
+)
 
 
 def from_plain(template: Any, plain: dict, where: str, hint: str = _DIFFERENT_MODEL) -> Any:
@@ -90,7 +88,9 @@ def from_plain(template: Any, plain: dict, where: str, hint: str = _DIFFERENT_MO
         if path not in saved:
             raise ValueError(f"{where} has no {name!r}, which the model needs; {hint}")
         value = _upgrade(path, saved.pop(path), leaf)
-        if tuple(np.shape(value)) != tuple(np.shape(leaf)) or np.dtype(value.dtype) != np.dtype(leaf.dtype):
+        if tuple(np.shape(value)) != tuple(np.shape(leaf)) or np.dtype(value.dtype) != np.dtype(
+            leaf.dtype
+        ):
             raise ValueError(
                 f"{where} holds {name!r} with shape {np.shape(value)} and dtype {value.dtype}, "
                 f"but the model has shape {np.shape(leaf)} and dtype {leaf.dtype}; {hint}"
@@ -114,7 +114,9 @@ def first_non_finite(tree: Any) -> str | None:
     return None
 
 
-def state_from_tree(tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str) -> TrainState:
+def state_from_tree(
+    tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str
+) -> TrainState:
     """A `TrainState` built from its plain form alone (no model needed): the optimizer
     state's structure comes from `optimizer.init` of the tree's parameters.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -277,8 +278,16 @@ class StepBuilder:
         return self._accumulate_eval(metric_states, partials)
 
     def eval_uneven(
-        self, spec, rng, state: TrainState, metric_states, padded_inputs, padded_labels,
-        valid, inputs=None, labels=None,
+        self,
+        spec,
+        rng,
+        state: TrainState,
+        metric_states,
+        padded_inputs,
+        padded_labels,
+        valid,
+        inputs=None,
+        labels=None,
     ):
         """Per-device: `eval` for a batch that the devices do not divide.
 
@@ -299,7 +308,8 @@ class StepBuilder:
 
     def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> tuple:
         """The merged partials of the mean loss and the eval metrics over all devices'
-        shards (those whose `valid` is True, given `valid`)."""
+        shards (those whose `valid` is True, given `valid`).
+        """
         predictions, added_loss, _ = self._apply(state, state.params, spec, rng, inputs, False)
         local_loss = self._loss(labels, predictions, added_loss)
         # The example-weighted mean of the batch losses, as `metrics.Mean` keeps it.
@@ -332,7 +342,11 @@ class StepBuilder:
 
 def _all_finite(tree: Any) -> jax.Array:
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves])) if leaves else jnp.bool_(True)
+    return (
+        jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
+        if leaves
+        else jnp.bool_(True)
+    )
 
 
 def make_parallel(
@@ -394,9 +408,7 @@ def make_initializer(body: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]
     # check_vma is off: variables come from the replicated key, but a data-dependent
     # initializer would mark them per-device; device 0's copy is the one kept.
     return jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False
-        )
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False)
     )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from . import _steps
 from ._batches import signature, spec_key, split_uneven_batch, validate_batch
-from ._evaluation import EvalSteps
-from ._predict import Predict
-from ._trainer_state import StateAccess
 from ._context import ModelFn
-from ._models import NnxModel, adapt, no_parameters_message
 from ._datasets import as_list
+from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._models import NnxModel, adapt, no_parameters_message
+from ._predict import Predict
 from ._state import TrainState, from_plain
+from ._trainer_state import StateAccess
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 _RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
@@ -121,7 +122,10 @@ class Trainer(StateAccess, EvalSteps, Predict):
                 f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
                 "loopax.losses.from_name('mse') builds one from a name"
             )
-        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
             raise TypeError(
                 f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
                 "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
@@ -153,8 +157,14 @@ class Trainer(StateAccess, EvalSteps, Predict):
         self._init_params = None if init_params is None else jax.tree.map(np.asarray, init_params)
         self._per_step_updates: list[Callable[[Any], Any]] = []
         self._steps = _steps.StepBuilder(
-            adapted, loss_fn, optimizer, self.train_metrics, self.eval_metrics,
-            self._per_step_updates, self.num_devices, parallel,
+            adapted,
+            loss_fn,
+            optimizer,
+            self.train_metrics,
+            self.eval_metrics,
+            self._per_step_updates,
+            self.num_devices,
+            parallel,
         )
         self._train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
         self._step_metric_names = self._train_metric_names  # what train_step returns now
@@ -275,7 +285,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
         params = variables.pop("params", {})
         if self._init_params is not None:
             params = from_plain(
-                params, self._init_params, "init_params",
+                params,
+                self._init_params,
+                "init_params",
                 hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
                 "of a checkpoint of the same model",
             )
@@ -307,7 +319,11 @@ class Trainer(StateAccess, EvalSteps, Predict):
             graph, spec, key[1], inputs, labels, self._input_counts, self._local_devices
         )
         # Only an eval batch gets here undivided; its step takes it in pieces that divide.
-        pieces = split_uneven_batch(inputs, labels, self._local_devices) if batch % self._local_devices else None
+        pieces = (
+            split_uneven_batch(inputs, labels, self._local_devices)
+            if batch % self._local_devices
+            else None
+        )
         model_inputs = inputs if pieces is None else pieces[0]
         if self._state is None:
             self._initialize(spec, model_inputs)
@@ -361,8 +377,13 @@ class Trainer(StateAccess, EvalSteps, Predict):
         # sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a
         # step, 2-3% of a small model's step.
         try:
-            fast_key = (graph, spec, len(inputs), *[a.aval for a in inputs],
-                        *[a.aval for a in labels])
+            fast_key = (
+                graph,
+                spec,
+                len(inputs),
+                *[a.aval for a in inputs],
+                *[a.aval for a in labels],
+            )
             executor = self._cache.get_fast(fast_key)
         except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
             fast_key = executor = None

@@ -1,9 +1,11 @@
 """The Trainer's state: placed on the devices, read and written whole or in its plain form,
-and the optimizer's live learning rate."""
+and the optimizer's live learning rate.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -118,15 +120,15 @@ class StateAccess:
         if self._state is not None:
             self.state = from_plain(self.state, tree, where)
             return
-        self._adopt(
-            state_from_tree(tree, self.optimizer, self._steps.fresh_train_metrics(), where)
-        )
+        self._adopt(state_from_tree(tree, self.optimizer, self._steps.fresh_train_metrics(), where))
         self._unverified_source = where
 
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
         """Checks a state loaded before the first batch against the model's variables."""
         where, self._unverified_source = self._unverified_source, None
-        expected = dict(jax.eval_shape(self._make_initializer(spec), jax.random.PRNGKey(self.seed), inputs))
+        expected = dict(
+            jax.eval_shape(self._make_initializer(spec), jax.random.PRNGKey(self.seed), inputs)
+        )
         expected_params = expected.pop("params", {})
         state = self.state
         from_plain(
@@ -138,14 +140,16 @@ class StateAccess:
     @property
     def learning_rate(self) -> float | None:
         """The optimizer's live learning rate, or None when it has none to read (build it
-        with `loopax.optimizers` or `optax.inject_hyperparams`) or before the first step."""
+        with `loopax.optimizers` or `optax.inject_hyperparams`) or before the first step.
+        """
         rate = self.learning_rate_array()
         return None if rate is None else float(np.asarray(jax.device_get(rate)))
 
     def learning_rate_array(self) -> Any:
         """The live learning rate, without waiting for the device: the host value when no
         schedule drives it, else a device copy (the state's own buffers are reused by the
-        next step); None as `learning_rate`."""
+        next step); None as `learning_rate`.
+        """
         if self._state is None:
             return None
         if self._constant_learning_rate is not None:

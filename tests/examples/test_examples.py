@@ -14,7 +14,11 @@ def _run(args, cwd, timeout=300):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the examples choose their own device count
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -45,8 +49,16 @@ def test_digits_trains_resumes_and_reports(tmp_path):
 def test_digits_on_four_simulated_devices(tmp_path):
     pytest.importorskip("sklearn")
     result = _run(
-        [str(EXAMPLES / "digits.py"), "--steps", "100", "--devices", "4",
-         "--dir", str(tmp_path), "--no-progress"],
+        [
+            str(EXAMPLES / "digits.py"),
+            "--steps",
+            "100",
+            "--devices",
+            "4",
+            "--dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,8 +76,9 @@ def test_custom_setup_compiles_once_per_spec(tmp_path):
 
 def test_keras_style_trains_with_validation_checkpoints_log_and_early_stopping(tmp_path):
     pytest.importorskip("sklearn")
-    result = _run([str(EXAMPLES / "keras_style.py"), "--epochs", "4", "--dir", str(tmp_path)],
-                  cwd=tmp_path)
+    result = _run(
+        [str(EXAMPLES / "keras_style.py"), "--epochs", "4", "--dir", str(tmp_path)], cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("stopped after epoch 4; val accuracy: 0.9"), result.stdout[-2000:]
@@ -79,8 +92,16 @@ def test_keras_style_trains_with_validation_checkpoints_log_and_early_stopping(t
 def test_digits_with_flax_nnx_mnist_cnn_reaches_97_percent(tmp_path):
     pytest.importorskip("sklearn")
     result = _run(
-        [str(EXAMPLES / "digits.py"), "--model", "nnx", "--steps", "500", "--dir", str(tmp_path),
-         "--no-progress"],
+        [
+            str(EXAMPLES / "digits.py"),
+            "--model",
+            "nnx",
+            "--steps",
+            "500",
+            "--dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -96,7 +117,11 @@ def test_digits_grain_trains_and_resumes_exactly(tmp_path):
     env.pop("XLA_FLAGS", None)
     uninterrupted = subprocess.Popen(  # in parallel with the interrupted runs
         [sys.executable, script, "--steps", "350", "--dir", str(tmp_path / "uninterrupted")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     first = _run([script, "--steps", "300", "--dir", str(tmp_path / "run")], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -110,5 +135,5 @@ def test_digits_grain_trains_and_resumes_exactly(tmp_path):
     output, errors = uninterrupted.communicate(timeout=300)
     assert uninterrupted.returncode == 0, errors[-3000:]
     # The same batches after the resume: the same results at step 350.
-    at_350 = output[output.index("Step 350:"):]
-    assert second.stdout[second.stdout.index("Step 350:"):] == at_350
+    at_350 = output[output.index("Step 350:") :]
+    assert second.stdout[second.stdout.index("Step 350:") :] == at_350

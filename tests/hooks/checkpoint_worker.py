@@ -104,8 +104,10 @@ def main():
     if args.kill_in_commit is not None:
         inside_commit(kill_self, args.kill_in_commit)
     trainer = loopax.Trainer(
-        nnx_model() if args.nnx else model_fn, loopax.losses.binary_crossentropy_logits,
-        optax.adam(0.01), devices=jax.devices()[:1],
+        nnx_model() if args.nnx else model_fn,
+        loopax.losses.binary_crossentropy_logits,
+        optax.adam(0.01),
+        devices=jax.devices()[:1],
     )
     loop = loopax.Loop(trainer)
     if not args.no_checkpoint:
@@ -120,16 +122,21 @@ def main():
                 if args.second_signal_in_commit:
                     # The save that follows is the end-of-run one, of the next global step.
                     inside_commit(lambda: signal_then_hang(signum), args.signal_at + 1)
+
         loop.on_step("signal", send_signal)
     if args.kill_after_save is not None:
+
         def kill_after_save(loop, metrics):
             if trainer.global_step == args.kill_after_save + 1:
                 kill_self()
+
         loop.on_step("kill", kill_after_save, loopax.Priority.VALIDATE)
     if args.exit_after_save is not None:
+
         def exit_after_save(loop, metrics):
             if trainer.global_step == args.exit_after_save + 1:
                 raise SystemExit(3)  # not an Exception: leaves the loop and the interpreter
+
         loop.on_step("exit", exit_after_save, loopax.Priority.VALIDATE)
     loop.run_to_step(make_dataset(), args.target)
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]

@@ -74,6 +74,9 @@ def train_data():
     rng = np.random.default_rng(0)
     inputs = rng.normal(size=(4 * BATCH_SIZE, 3)).astype(np.float32)
     return loopax.ArrayDataset(
-        inputs, [inputs.sum(1, keepdims=True), np.zeros((4 * BATCH_SIZE,), np.float32)],
-        BATCH_SIZE, shuffle=False, loop_forever=True,
+        inputs,
+        [inputs.sum(1, keepdims=True), np.zeros((4 * BATCH_SIZE,), np.float32)],
+        BATCH_SIZE,
+        shuffle=False,
+        loop_forever=True,
     )

@@ -53,8 +53,9 @@ def make_data(name="train", batches=4, *, seed=0, loop_forever=False, shuffle=Tr
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batches * BATCH_SIZE, 4)).astype(np.float32)
     y = (x[:, :1] + x[:, 1:2] > 0).astype(np.int32)
-    return loopax.ArrayDataset(x, y, BATCH_SIZE, name=name, shuffle=shuffle,
-                               loop_forever=loop_forever)
+    return loopax.ArrayDataset(
+        x, y, BATCH_SIZE, name=name, shuffle=shuffle, loop_forever=loop_forever
+    )
 
 
 class CountingDataset:

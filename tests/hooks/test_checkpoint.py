@@ -28,7 +28,9 @@ def model_fn(ctx, spec, inputs):
 
 def make_trainer(devices=None):
     return loopax.Trainer(
-        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01),
+        model_fn,
+        loopax.losses.mean_squared_error,
+        optax.adam(0.01),
         devices=jax.devices()[:1] if devices is None else devices,
     )
 
@@ -36,8 +38,9 @@ def make_trainer(devices=None):
 def make_dataset(seed=0):
     rng = np.random.default_rng(0)
     inputs = rng.normal(size=(24, 3)).astype(np.float32)
-    return loopax.ArrayDataset(inputs, inputs.sum(1, keepdims=True), batch_size=BATCH_SIZE,
-                               loop_forever=True, seed=seed)
+    return loopax.ArrayDataset(
+        inputs, inputs.sum(1, keepdims=True), batch_size=BATCH_SIZE, loop_forever=True, seed=seed
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +75,22 @@ def worker_command(directory, target, out, *flags):
 
 def worker_env(cache):
     # The killed and resumed runs compile the same step: share it through JAX's disk cache.
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def run_worker(tmp_path, *args):
-    return subprocess.run(worker_command(*args), capture_output=True, text=True, timeout=120,
-                          env=worker_env(tmp_path / "jax-cache"))
+    return subprocess.run(
+        worker_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(tmp_path / "jax-cache"),
+    )
 
 
 # -- exact resume across processes ---------------------------------------------------------
@@ -88,7 +99,9 @@ def run_worker(tmp_path, *args):
 def test_sigkill_at_several_steps_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
     reference = subprocess.Popen(  # in parallel with the killed runs
         worker_command(tmp_path / "reference", 20, tmp_path / "ref.npz"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=worker_env(tmp_path / "jax-cache"),
     )
     directory, out = tmp_path / "killed", tmp_path / "out.npz"
@@ -223,14 +236,22 @@ def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_ste
 
     def fake_evaluation(loop, metrics):
         if loop.loop_step in losses:
-            loop.history.record(trainer.global_step, {"eval/test/mean_loss": losses[loop.loop_step]})
+            loop.history.record(
+                trainer.global_step, {"eval/test/mean_loss": losses[loop.loop_step]}
+            )
         else:  # a value of another step says nothing about this one
             loop.history.record(trainer.global_step - 1, {"eval/test/mean_loss": -100.0})
 
     loop = loopax.Loop(trainer)
     loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
-    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=1,
-                                    best_metric="eval/test/mean_loss", best_mode=best_mode)
+    checkpointer = hooks.checkpoint(
+        loop,
+        tmp_path,
+        every_n_steps=1,
+        keep=1,
+        best_metric="eval/test/mean_loss",
+        best_mode=best_mode,
+    )
     loop.run_steps(make_dataset(), 5)
     checkpointer.wait()
     assert checkpointer.all_steps() == [best_step, 5]
@@ -240,23 +261,27 @@ def test_keeps_the_best_by_a_train_metric(trainer, tmp_path):
     loop = loopax.Loop(trainer)
     losses = {}
     loop.on_step("record", lambda lp, m: losses.update({trainer.global_step: float(m["loss"])}))
-    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=1, keep_best=2,
-                                    best_metric="train/loss")
+    checkpointer = hooks.checkpoint(
+        loop, tmp_path, every_n_steps=1, keep=1, keep_best=2, best_metric="train/loss"
+    )
     loop.run_steps(make_dataset(), 6)
     checkpointer.wait()
     best_two = sorted(losses, key=losses.get)[:2]
     assert checkpointer.all_steps() == sorted({*best_two, 6})
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"keep": 0}, "keep must be a positive int"),
-    ({"keep_period": -3}, "keep_period must be a positive int"),
-    ({"best_mode": "lowest"}, "best_mode must be 'min' or 'max'"),
-    ({"best_metric": "loss"}, "best_metric must be 'train/<metric>'"),
-    ({"best_metric": "train/accuracy"}, "names no train metric"),
-    ({"every_n_steps": 0}, "n must be a positive int"),
-    ({"period_seconds": 0}, "period_seconds must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"keep": 0}, "keep must be a positive int"),
+        ({"keep_period": -3}, "keep_period must be a positive int"),
+        ({"best_mode": "lowest"}, "best_mode must be 'min' or 'max'"),
+        ({"best_metric": "loss"}, "best_metric must be 'train/<metric>'"),
+        ({"best_metric": "train/accuracy"}, "names no train metric"),
+        ({"every_n_steps": 0}, "n must be a positive int"),
+        ({"period_seconds": 0}, "period_seconds must be a finite number > 0"),
+    ],
+)
 def test_invalid_configuration_raises_at_attach(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path, **options)
@@ -267,8 +292,11 @@ def test_invalid_configuration_raises_at_attach(tmp_path, options, message):
 
 def test_falls_back_from_a_damaged_newest_checkpoint_and_keeps_it(trainer, tmp_path):
     train(trainer, tmp_path, 4, every_n_steps=2)
-    data_files = [path for path in (tmp_path / "4" / "state").rglob("*")
-                  if path.is_file() and path.parent.name == "d"]
+    data_files = [
+        path
+        for path in (tmp_path / "4" / "state").rglob("*")
+        if path.is_file() and path.parent.name == "d"
+    ]
     assert data_files
     for path in data_files:
         path.write_bytes(b"not an array" * 10)
@@ -318,14 +346,16 @@ def test_a_file_is_not_a_directory(tmp_path):
 
 
 def test_trigger_schedules_and_dataset_position_continue_after_a_resume(
-        trainer, compiled_trainer, tmp_path):
+    trainer, compiled_trainer, tmp_path
+):
     def attach(trainer):
         loop = loopax.Loop(trainer)
         fired = {"n_times": [], "every": [], "exponential": [], "batches": []}
         hooks.n_times_during_loop(loop, 4, "n", lambda lp, m: fired["n_times"].append(lp.loop_step))
         hooks.every_n_steps(loop, 5, "e", lambda lp, m: fired["every"].append(lp.loop_step))
-        hooks.exponential_callback(loop, 3, 2.0, "x",
-                                   lambda lp, m: fired["exponential"].append(lp.loop_step))
+        hooks.exponential_callback(
+            loop, 3, 2.0, "x", lambda lp, m: fired["exponential"].append(lp.loop_step)
+        )
         return loop, fired
 
     loop, uninterrupted = attach(trainer)
@@ -356,12 +386,27 @@ def test_restore_onto_one_and_four_devices(tmp_path):
     if jax.device_count() < 4:
         assert "LOOPAX_FOUR_DEVICES_RERUN" not in os.environ, jax.devices()
         # Simulated devices must be set before jax starts: rerun this test in a fresh process.
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}",
-                   JAX_PLATFORMS="cpu", LOOPAX_FOUR_DEVICES_RERUN="1")
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}",
+            JAX_PLATFORMS="cpu",
+            LOOPAX_FOUR_DEVICES_RERUN="1",
+        )
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-             f"{__file__}::test_restore_onto_one_and_four_devices"],
-            capture_output=True, text=True, env=env, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"{__file__}::test_restore_onto_one_and_four_devices",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return
@@ -418,13 +463,27 @@ def test_a_checkpoint_holding_nan_is_damaged_and_never_restored(trainer, tmp_pat
     state = trainer.state_dict()
     state["step"] = np.asarray(3, state["step"].dtype)
     state["params"]["Dense_0"]["kernel"][:] = np.nan
-    bundle = {"format": "loopax.checkpoint", "version": 1, "global_step": 3,
-              "checksums": checksums(state), "loop": {}, "datasets": {}}
-    checkpointer._manager.save(3, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)), force=True)
+    bundle = {
+        "format": "loopax.checkpoint",
+        "version": 1,
+        "global_step": 3,
+        "checksums": checksums(state),
+        "loop": {},
+        "datasets": {},
+    }
+    checkpointer._manager.save(
+        3,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)
+        ),
+        force=True,
+    )
     checkpointer._manager.wait_until_finished()
-    with pytest.warns(RuntimeWarning, match=r"'.*3' is damaged .*'params/Dense_0/kernel' holds "
-                                            r"NaN or infinite values"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"'.*3' is damaged .*'params/Dense_0/kernel' holds "
+        r"NaN or infinite values",
+    ):
         restored = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
     assert restored.restored_step == 2
     assert np.isfinite(jax.device_get(trainer.params)["Dense_0"]["kernel"]).all()
@@ -437,9 +496,11 @@ def test_when_no_checkpoint_is_good_it_refuses_to_start_over(trainer, tmp_path):
             flip_bytes(path)
     for attempt in range(2):  # the damaged ones are set aside: the next attach refuses too
         with pytest.warns(RuntimeWarning) if attempt == 0 else contextlib.nullcontext():
-            with pytest.raises(hooks.NoGoodCheckpointError,
-                               match=r"no good checkpoint in .*restore='never' or use a new "
-                                     r"directory"):
+            with pytest.raises(
+                hooks.NoGoodCheckpointError,
+                match=r"no good checkpoint in .*restore='never' or use a new "
+                r"directory",
+            ):
                 hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
     fresh = make_trainer()
     loop = loopax.Loop(fresh)
@@ -457,15 +518,20 @@ def test_a_failed_background_save_raises_at_a_next_step_naming_the_directory(tra
     loop.run_steps(make_dataset(), 1)
     shutil.rmtree(directory)
     directory.write_text("not a directory any more")  # every write under it now fails
-    with pytest.raises(hooks.BackgroundSaveError, match=r"saving a checkpoint to '.*ckpt' "
-                                                        r"failed: \w+Error") as error:
+    with pytest.raises(
+        hooks.BackgroundSaveError,
+        match=r"saving a checkpoint to '.*ckpt' "
+        r"failed: \w+Error",
+    ) as error:
         loop.run_steps(make_dataset(), 50)
     assert isinstance(error.value.__cause__, OSError)
     # Raised while training went on (a step after the failure), not 50 steps later at the end.
     assert trainer.global_step < 51
 
 
-def test_a_new_hook_on_the_same_directory_waits_for_the_saves_in_flight(trainer, tmp_path, monkeypatch):
+def test_a_new_hook_on_the_same_directory_waits_for_the_saves_in_flight(
+    trainer, tmp_path, monkeypatch
+):
     from orbax.checkpoint._src.path import atomicity
 
     release, committing, entered = threading.Event(), threading.Event(), threading.Event()
@@ -491,8 +557,9 @@ def test_a_new_hook_on_the_same_directory_waits_for_the_saves_in_flight(trainer,
 
     monkeypatch.setattr(first, "wait_quietly", wait_quietly)
     attached = []
-    second = threading.Thread(target=lambda: attached.append(hooks.checkpoint(
-        loopax.Loop(make_trainer()), tmp_path)))
+    second = threading.Thread(
+        target=lambda: attached.append(hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path))
+    )
     second.start()
     try:
         # The second hook waits for the first one's save (the timeout only keeps a
@@ -515,11 +582,15 @@ def test_best_step_and_restore_best(trainer, tmp_path):
 
     loop = loopax.Loop(trainer)
     loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
-    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1, keep=2,
-                                    best_metric="eval/test/mean_loss")
+    checkpointer = hooks.checkpoint(
+        loop, tmp_path, every_n_steps=1, keep=2, best_metric="eval/test/mean_loss"
+    )
     saved = {}
-    loop.on_step("remember", lambda lp, m: saved.update({trainer.global_step: trainer.state_dict()}),
-                 loopax.Priority.UI)
+    loop.on_step(
+        "remember",
+        lambda lp, m: saved.update({trainer.global_step: trainer.state_dict()}),
+        loopax.Priority.UI,
+    )
     loop.run_steps(make_dataset(), 8)
     assert checkpointer.best_step() == 3
     assert checkpointer.all_steps() == [3, 7, 8]
@@ -527,21 +598,27 @@ def test_best_step_and_restore_best(trainer, tmp_path):
     assert trainer.global_step == 3 and loop.loop_step == 3
     assert_trees_equal(saved[3], trainer.state_dict())
     # A new process finds the best among the checkpoints on disk too.
-    again = hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path,
-                             best_metric="eval/test/mean_loss")
+    again = hooks.checkpoint(
+        loopax.Loop(make_trainer()), tmp_path, best_metric="eval/test/mean_loss"
+    )
     assert again.best_step() == 3
 
 
 def test_best_step_needs_a_best_metric(trainer, tmp_path):
     checkpointer = hooks.checkpoint(loopax.Loop(trainer), tmp_path)
-    with pytest.raises(ValueError, match="best_step\\(\\) needs the hook attached with best_metric"):
+    with pytest.raises(
+        ValueError, match="best_step\\(\\) needs the hook attached with best_metric"
+    ):
         checkpointer.best_step()
 
 
 def test_a_resumed_run_continues_its_train_metrics_and_a_new_run_starts_them_afresh(
-        trainer, compiled_trainer, tmp_path):
+    trainer, compiled_trainer, tmp_path
+):
     initial = compiled_trainer[1]
-    uninterrupted = float(loopax.Loop(trainer).run_to_step(make_dataset(), 8)["moving_average_loss"])
+    uninterrupted = float(
+        loopax.Loop(trainer).run_to_step(make_dataset(), 8)["moving_average_loss"]
+    )
 
     def resume(target):
         trainer.state = jax.tree.map(np.array, initial)  # as a new process

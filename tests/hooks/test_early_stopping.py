@@ -12,11 +12,11 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from monitor_helpers import ScriptedEpochs, ScriptedEval, scripted_loss, train_data
 
 import loopax
 from loopax import hooks
 from loopax.hooks import _early_stopping
-from monitor_helpers import ScriptedEpochs, ScriptedEval, scripted_loss, train_data
 
 ONE_DEVICE = jax.devices()[:1]
 MONITOR = "eval/test/mean_loss"
@@ -29,13 +29,14 @@ def model_fn(ctx, spec, inputs):
 
 
 def scripted_metric(name, metric_type):
-    return loopax.metrics.Mean(name, lambda labels, predictions: labels[1],
-                               metric_type=metric_type)
+    return loopax.metrics.Mean(name, lambda labels, predictions: labels[1], metric_type=metric_type)
 
 
 def new_trainer():
     return loopax.Trainer(
-        model_fn, scripted_loss, loopax.optimizers.sgd(0.1),
+        model_fn,
+        scripted_loss,
+        loopax.optimizers.sgd(0.1),
         eval_metrics=[scripted_metric("Score", "accuracy"), scripted_metric("Spread", "")],
         devices=ONE_DEVICE,
     )
@@ -122,8 +123,9 @@ def test_stops_after_patience_checks_without_improvement_and_restores_the_best(t
 
 
 def test_restore_best_false_keeps_the_last_parameters(trainer):
-    loop, stopper, states = scripted_run(trainer, [1.0, 0.5, 0.75, 0.5, 0.625], patience=3,
-                                         restore_best=False)
+    loop, stopper, states = scripted_run(
+        trainer, [1.0, 0.5, 0.75, 0.5, 0.625], patience=3, restore_best=False
+    )
     assert stopper.stopped_step == 10 and stopper.restored_step is None
     assert stopper.best_params is None
     assert_trees_equal(states[10].params, trainer.params)
@@ -146,23 +148,28 @@ def test_the_best_at_the_last_check_leaves_the_trainer_as_it_is(trainer):
     assert_trees_equal(states[6].params, trainer.params)
 
 
-@pytest.mark.parametrize(("min_delta", "stopped_step", "best_step"), [
-    (0.0, None, 8),   # every check improves
-    (0.1, 8, 6),      # 0.5625 is not below 0.625 - 0.1
-    (0.2, 6, 4),      # 0.625 is not below 0.75 - 0.2
-    (0.25, 4, 2),     # 0.75 is not *more* than 0.25 below 1.0
-])
+@pytest.mark.parametrize(
+    ("min_delta", "stopped_step", "best_step"),
+    [
+        (0.0, None, 8),  # every check improves
+        (0.1, 8, 6),  # 0.5625 is not below 0.625 - 0.1
+        (0.2, 6, 4),  # 0.625 is not below 0.75 - 0.2
+        (0.25, 4, 2),  # 0.75 is not *more* than 0.25 below 1.0
+    ],
+)
 def test_min_delta(trainer, min_delta, stopped_step, best_step):
-    loop, stopper, _ = scripted_run(trainer, [1.0, 0.75, 0.625, 0.5625], steps=8, patience=1,
-                                    min_delta=min_delta)
+    loop, stopper, _ = scripted_run(
+        trainer, [1.0, 0.75, 0.625, 0.5625], steps=8, patience=1, min_delta=min_delta
+    )
     assert stopper.stopped_step == stopped_step
     assert stopper.best_step == best_step
     assert trainer.global_step == (stopped_step or 8)
 
 
 def test_baseline_not_beaten_stops_after_patience_checks_even_while_improving(trainer):
-    loop, stopper, states = scripted_run(trainer, [0.9, 0.8, 0.7, 0.6, 0.4], patience=3,
-                                         baseline=0.5)
+    loop, stopper, states = scripted_run(
+        trainer, [0.9, 0.8, 0.7, 0.6, 0.4], patience=3, baseline=0.5
+    )
     assert stopper.stopped_step == 6
     assert "did not improve on baseline 0.5" in stopper.stop_reason
     # The best of the checks that ran, as Keras documents.
@@ -170,8 +177,9 @@ def test_baseline_not_beaten_stops_after_patience_checks_even_while_improving(tr
 
 
 def test_baseline_beaten_resets_the_wait(trainer):
-    loop, stopper, states = scripted_run(trainer, [0.9, 0.4, 0.45, 0.45, 0.45], patience=2,
-                                         baseline=0.5)
+    loop, stopper, states = scripted_run(
+        trainer, [0.9, 0.4, 0.45, 0.45, 0.45], patience=2, baseline=0.5
+    )
     assert stopper.stopped_step == 8
     assert (stopper.best, stopper.best_step) == (pytest.approx(0.4), 4)
     assert_trees_equal(states[4].params, trainer.params)
@@ -190,16 +198,20 @@ def test_patience_zero_acts_as_one(trainer):
 # -- mode ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("monitor", "mode", "stopped_step", "best"), [
-    (MONITOR, "auto", 6, (0.5, 2)),          # a loss: lower is better
-    (MONITOR, "min", 6, (0.5, 2)),
-    (MONITOR, "max", 8, (0.75, 4)),
-    ("eval/test/Score", "auto", 8, (0.75, 4)),  # an accuracy: higher is better
-    ("eval/test/Spread", "max", 8, (0.75, 4)),  # no known type: the mode is given
-])
+@pytest.mark.parametrize(
+    ("monitor", "mode", "stopped_step", "best"),
+    [
+        (MONITOR, "auto", 6, (0.5, 2)),  # a loss: lower is better
+        (MONITOR, "min", 6, (0.5, 2)),
+        (MONITOR, "max", 8, (0.75, 4)),
+        ("eval/test/Score", "auto", 8, (0.75, 4)),  # an accuracy: higher is better
+        ("eval/test/Spread", "max", 8, (0.75, 4)),  # no known type: the mode is given
+    ],
+)
 def test_modes(trainer, monitor, mode, stopped_step, best):
-    loop, stopper, _ = scripted_run(trainer, [0.5, 0.75, 0.625, 0.75, 0.7], patience=2,
-                                    monitor=monitor, mode=mode)
+    loop, stopper, _ = scripted_run(
+        trainer, [0.5, 0.75, 0.625, 0.75, 0.7], patience=2, monitor=monitor, mode=mode
+    )
     assert stopper.stopped_step == stopped_step
     assert (stopper.best, stopper.best_step) == best
 
@@ -207,24 +219,40 @@ def test_modes(trainer, monitor, mode, stopped_step, best):
 def test_auto_mode_of_the_trainers_own_metrics():
     # Registration alone compiles nothing.
     trainer = loopax.Trainer(
-        model_fn, loopax.losses.sparse_categorical_crossentropy_logits,
+        model_fn,
+        loopax.losses.sparse_categorical_crossentropy_logits,
         loopax.optimizers.sgd(0.1),
         train_metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
-        eval_metrics=[loopax.metrics.SparseCategoricalAccuracy()], devices=ONE_DEVICE,
+        eval_metrics=[loopax.metrics.SparseCategoricalAccuracy()],
+        devices=ONE_DEVICE,
     )
     loop = loopax.Loop(trainer)
-    modes = {key: hooks.early_stopping(loop, key).mode for key in (
-        "eval/test/mean_loss", "eval/my/data/Accuracy", "train/loss",
-        "train/moving_average_loss", "train/Moving Average Accuracy")}
-    assert modes == {"eval/test/mean_loss": "min", "eval/my/data/Accuracy": "max",
-                     "train/loss": "min", "train/moving_average_loss": "min",
-                     "train/Moving Average Accuracy": "max"}
+    modes = {
+        key: hooks.early_stopping(loop, key).mode
+        for key in (
+            "eval/test/mean_loss",
+            "eval/my/data/Accuracy",
+            "train/loss",
+            "train/moving_average_loss",
+            "train/Moving Average Accuracy",
+        )
+    }
+    assert modes == {
+        "eval/test/mean_loss": "min",
+        "eval/my/data/Accuracy": "max",
+        "train/loss": "min",
+        "train/moving_average_loss": "min",
+        "train/Moving Average Accuracy": "max",
+    }
 
 
 def test_auto_mode_refuses_a_metric_of_unknown_type(compiled):
     loop = loopax.Loop(compiled[0])
-    with pytest.raises(ValueError, match=r"mode='auto' cannot tell whether 'eval/test/Spread' "
-                       r"\(metric type 'Spread'\).*Pass mode='min' or mode='max'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mode='auto' cannot tell whether 'eval/test/Spread' "
+        r"\(metric type 'Spread'\).*Pass mode='min' or mode='max'",
+    ):
         hooks.early_stopping(loop, "eval/test/Spread")
     assert hooks.early_stopping(loop, "eval/test/Spread", mode="min").mode == "min"
 
@@ -232,25 +260,31 @@ def test_auto_mode_refuses_a_metric_of_unknown_type(compiled):
 # -- registration errors ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"monitor": "val_loss"}, r"monitor='val_loss' is not one of this trainer's metric keys.*"
-                              r"\['train/loss', 'train/moving_average_loss'\].*'eval/<dataset>/"
-                              r"<metric>' with <metric> in \['mean_loss', 'Score', 'Spread'\]"),
-    ({"monitor": "eval/test/Accuracy"}, "not one of this trainer's metric keys"),
-    ({"monitor": "eval/mean_loss"}, "not one of this trainer's metric keys"),
-    ({"monitor": "train/mean_loss"}, "not one of this trainer's metric keys"),
-    ({"monitor": "train/learning_rate"}, "not one of this trainer's metric keys"),
-    ({"monitor": None}, "not one of this trainer's metric keys"),
-    ({"mode": "lower"}, r"mode must be one of \['auto', 'min', 'max'\], got mode='lower'"),
-    ({"patience": -1}, "patience must be an int >= 0, got patience=-1"),
-    ({"patience": 2.5}, "patience must be an int >= 0"),
-    ({"patience": True}, "patience must be an int >= 0"),
-    ({"min_delta": -0.1}, "min_delta must be >= 0.0, got min_delta=-0.1"),
-    ({"min_delta": math.nan}, "min_delta must be a finite number"),
-    ({"baseline": math.inf}, "baseline must be a finite number"),
-    ({"baseline": "0.5"}, "baseline must be a finite number"),
-    ({"restore_best": "yes"}, "restore_best must be True or False"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"monitor": "val_loss"},
+            r"monitor='val_loss' is not one of this trainer's metric keys.*"
+            r"\['train/loss', 'train/moving_average_loss'\].*'eval/<dataset>/"
+            r"<metric>' with <metric> in \['mean_loss', 'Score', 'Spread'\]",
+        ),
+        ({"monitor": "eval/test/Accuracy"}, "not one of this trainer's metric keys"),
+        ({"monitor": "eval/mean_loss"}, "not one of this trainer's metric keys"),
+        ({"monitor": "train/mean_loss"}, "not one of this trainer's metric keys"),
+        ({"monitor": "train/learning_rate"}, "not one of this trainer's metric keys"),
+        ({"monitor": None}, "not one of this trainer's metric keys"),
+        ({"mode": "lower"}, r"mode must be one of \['auto', 'min', 'max'\], got mode='lower'"),
+        ({"patience": -1}, "patience must be an int >= 0, got patience=-1"),
+        ({"patience": 2.5}, "patience must be an int >= 0"),
+        ({"patience": True}, "patience must be an int >= 0"),
+        ({"min_delta": -0.1}, "min_delta must be >= 0.0, got min_delta=-0.1"),
+        ({"min_delta": math.nan}, "min_delta must be a finite number"),
+        ({"baseline": math.inf}, "baseline must be a finite number"),
+        ({"baseline": "0.5"}, "baseline must be a finite number"),
+        ({"restore_best": "yes"}, "restore_best must be True or False"),
+    ],
+)
 def test_bad_arguments_raise_at_registration(compiled, kwargs, message):
     loop = loopax.Loop(compiled[0])
     monitor = kwargs.pop("monitor", MONITOR)
@@ -267,8 +301,11 @@ def test_needs_a_loop(compiled):
 def test_warns_when_the_monitor_is_never_checked(trainer):
     loop = loopax.Loop(trainer)
     hooks.early_stopping(loop, MONITOR)
-    with pytest.warns(RuntimeWarning, match=r"never checked 'eval/test/mean_loss': no evaluation "
-                      r"of a dataset named 'test'.*hooks.evaluate"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"never checked 'eval/test/mean_loss': no evaluation "
+        r"of a dataset named 'test'.*hooks.evaluate",
+    ):
         loop.run_steps(train_data(), 3)
 
 
@@ -296,8 +333,11 @@ def test_a_train_monitor_in_run_steps_warns(trainer):
         loop.run_steps(train_data(), 2)
     messages = [str(w.message) for w in warned]
     assert any("run at epoch ends, which only run_epochs has" in m for m in messages)
-    assert any("never checked 'train/moving_average_loss': train metrics are checked at the "
-               "epoch ends of run_epochs" in m for m in messages)
+    assert any(
+        "never checked 'train/moving_average_loss': train metrics are checked at the "
+        "epoch ends of run_epochs" in m
+        for m in messages
+    )
 
 
 # -- across runs -----------------------------------------------------------------------------
@@ -335,7 +375,11 @@ def test_after_a_stop_later_runs_stop_at_once_until_reset(trainer):
 
     stopper.reset()
     assert (stopper.best, stopper.wait, stopper.stopped_step, stopper.best_params) == (
-        None, 0, None, None)
+        None,
+        0,
+        None,
+        None,
+    )
     loop.run_steps(data, 4)
     assert trainer.global_step == 12
     # Trained on from step 8's own parameters: step 9 is no repetition of step 5.
@@ -398,9 +442,12 @@ def test_a_resumed_run_continues_the_patience_count(trainer, tmp_path, checkpoin
         hooks.checkpoint(resumed, tmp_path)
     assert (restarted.best, restarted.best_step, restarted.wait, restarted.checks) == (0.5, 4, 2, 4)
     # The best parameters (step 4) were in the first process's memory only: it says so.
-    with pytest.warns(RuntimeWarning, match=r"best eval/test/mean_loss \(0.5\) was at step 4, "
-                      r"before the training last resumed from a checkpoint.*best_metric="
-                      r"'eval/test/mean_loss', best_mode='min'\) and call its restore_best"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"best eval/test/mean_loss \(0.5\) was at step 4, "
+        r"before the training last resumed from a checkpoint.*best_metric="
+        r"'eval/test/mean_loss', best_mode='min'\) and call its restore_best",
+    ):
         resumed.run_steps(train_data(), 20)
     # One more check without improvement: the third, not the first of three.
     assert restarted.stopped_step == 10 and resumed_trainer.global_step == 10

@@ -19,13 +19,17 @@ def test_one_evaluation_per_scheduled_point_with_every_writer_attached(tmp_path)
     loop.on_evaluation("listener", lambda loop, evaluation: published.append(evaluation))
     # Every writer listens; the plot asked for the same dataset but uses the scheduled
     # evaluations instead of running its own; another hook asking again reuses them.
-    hooks.plot(loop, tmp_path / "plots", eval_datasets=[test], start_step=4, factor=2,
-               render=False)
+    hooks.plot(loop, tmp_path / "plots", eval_datasets=[test], start_step=4, factor=2, render=False)
     hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=2)
     hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=2)
     reused = []
-    hooks.every_n_steps(loop, 4, "again", lambda loop, m: reused.append(loop.evaluate(test)),
-                        priority=loopax.Priority.LOG)
+    hooks.every_n_steps(
+        loop,
+        4,
+        "again",
+        lambda loop, m: reused.append(loop.evaluate(test)),
+        priority=loopax.Priority.LOG,
+    )
     loop.run_steps(make_data(loop_forever=True), 12)
 
     assert [step for step, _ in evaluator.history] == [4, 8, 12]
@@ -36,8 +40,7 @@ def test_one_evaluation_per_scheduled_point_with_every_writer_attached(tmp_path)
         assert dict(evaluation.values) == results["test"]
         assert list(evaluation.values) == ["mean_loss", "Accuracy"]
         assert all(isinstance(value, float) for value in evaluation.values.values())
-    assert loop.history["eval/test/Accuracy"] == [
-        (e.step, e.values["Accuracy"]) for e in published]
+    assert loop.history["eval/test/Accuracy"] == [(e.step, e.values["Accuracy"]) for e in published]
     assert loop.evaluation("test") is published[-1]
 
 
@@ -59,8 +62,9 @@ def test_evaluate_prints_results_in_report_format():
     trainer = make_trainer()
     loop = loopax.Loop(trainer)
     out = io.StringIO()
-    hooks.evaluate(loop, make_data("test", 1), every_n_steps=2, call_on_end=False,
-                   print_results=True, file=out)
+    hooks.evaluate(
+        loop, make_data("test", 1), every_n_steps=2, call_on_end=False, print_results=True, file=out
+    )
     loop.run_steps(make_data(loop_forever=True), 2)
     assert out.getvalue().startswith("Step 2:\nResults on test:\n\tMean Loss (#loss): ")
 

@@ -30,11 +30,16 @@ def test_csv_with_train_and_eval_points(tmp_path):
     train_steps = sorted({int(r["step"]) for r in rows if r["metric"].startswith("train/")})
     assert train_steps == [2, 4, 6, 7]  # every 2 steps, then the end of the run
     assert {r["metric"] for r in rows if r["metric"].startswith("train/")} == {
-        "train/loss", "train/moving_average_loss", "train/Moving Average Accuracy"}
+        "train/loss",
+        "train/moving_average_loss",
+        "train/Moving Average Accuracy",
+    }
     eval_rows = [r for r in rows if r["metric"].startswith("eval/test/")]
     assert [(r["metric"], r["short"], r["type"], int(r["step"])) for r in eval_rows] == [
-        ("eval/test/mean_loss", "#loss", "loss", 3), ("eval/test/Accuracy", "acc", "accuracy", 3),
-        ("eval/test/mean_loss", "#loss", "loss", 6), ("eval/test/Accuracy", "acc", "accuracy", 6),
+        ("eval/test/mean_loss", "#loss", "loss", 3),
+        ("eval/test/Accuracy", "acc", "accuracy", 3),
+        ("eval/test/mean_loss", "#loss", "loss", 6),
+        ("eval/test/Accuracy", "acc", "accuracy", 6),
     ]
     assert float(eval_rows[-1]["value"]) == pytest.approx(loop.history["eval/test/Accuracy"][-1][1])
     # The same keys and values as the loop's history.

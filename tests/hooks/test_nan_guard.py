@@ -31,10 +31,10 @@ class PoisonedDataset:
     def yield_batch(self):
         index, self.index = self.index, self.index + 1
         start = (index * BATCH_SIZE) % len(self.inputs)
-        inputs = self.inputs[start:start + BATCH_SIZE].copy()
+        inputs = self.inputs[start : start + BATCH_SIZE].copy()
         if index in self.bad:
             inputs[:] = np.nan
-        return None, [inputs], [self.labels[start:start + BATCH_SIZE]]
+        return None, [inputs], [self.labels[start : start + BATCH_SIZE]]
 
     def reset(self):
         pass
@@ -109,7 +109,9 @@ def test_a_streak_rolls_back_to_the_newest_good_checkpoint_and_lowers_the_rate(t
 def test_a_lasting_fault_stops_after_max_rollbacks(tmp_path):
     loop = make_loop(tmp_path)
     guard = hooks.nan_guard(loop, max_skips=3, max_rollbacks=2)
-    with pytest.raises(loopax.NonFiniteLossError, match=r"after 2 rollback\(s\) \(max_rollbacks=2\)"):
+    with pytest.raises(
+        loopax.NonFiniteLossError, match=r"after 2 rollback\(s\) \(max_rollbacks=2\)"
+    ):
         loop.run_steps(PoisonedDataset(bad=From(20)), 200)
     assert guard.rollbacks == 2 and guard.rolled_back_to == [20, 20]
     assert loop.trainer.learning_rate == pytest.approx(0.0025)
@@ -124,8 +126,11 @@ def test_a_lasting_fault_stops_after_max_rollbacks(tmp_path):
 def test_without_rollback_it_stops_after_max_skips(tmp_path):
     loop = make_loop(tmp_path, checkpoint=False)
     hooks.nan_guard(loop, max_skips=3, rollback=False)
-    with pytest.raises(loopax.NonFiniteLossError, match=r"not finite for \d steps in a row "
-                                                        r"\(steps 10 to 1\d\).*rollback=False") as error:
+    with pytest.raises(
+        loopax.NonFiniteLossError,
+        match=r"not finite for \d steps in a row "
+        r"\(steps 10 to 1\d\).*rollback=False",
+    ) as error:
         loop.run_steps(PoisonedDataset(bad={10, 11, 12, 13, 14}), 60)
     assert error.value.step == 10
 
@@ -144,12 +149,15 @@ def test_the_learning_rate_must_be_changeable_for_lr_factor(tmp_path):
     hooks.nan_guard(loop, lr_factor=1.0)  # keeping the rate needs no injectable one
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"max_skips": 0}, "max_skips must be a positive int"),
-    ({"max_rollbacks": -1}, "max_rollbacks must be a positive int"),
-    ({"lr_factor": 2.0}, r"lr_factor must be a number in \(0, 1\]"),
-    ({"lr_factor": 0}, r"lr_factor must be a number in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"max_skips": 0}, "max_skips must be a positive int"),
+        ({"max_rollbacks": -1}, "max_rollbacks must be a positive int"),
+        ({"lr_factor": 2.0}, r"lr_factor must be a number in \(0, 1\]"),
+        ({"lr_factor": 0}, r"lr_factor must be a number in \(0, 1\]"),
+    ],
+)
 def test_bad_arguments_raise_at_registration(tmp_path, arguments, message):
     with pytest.raises(ValueError, match=message):
         hooks.nan_guard(make_loop(tmp_path, checkpoint=False), **arguments)

@@ -34,8 +34,9 @@ def test_points_and_pngs(tmp_path):
     trainer = make_trainer()
     compiled = record_compilations(trainer)
     loop = loopax.Loop(trainer)
-    plotter = hooks.plot(loop, tmp_path, eval_datasets=make_data("test", 2, seed=1),
-                         start_step=3, factor=2)
+    plotter = hooks.plot(
+        loop, tmp_path, eval_datasets=make_data("test", 2, seed=1), start_step=3, factor=2
+    )
     loop.run_steps(make_data(loop_forever=True), 20)
 
     points = read_points(tmp_path)
@@ -50,8 +51,13 @@ def test_points_and_pngs(tmp_path):
     for metric in TRAIN_SERIES | EVAL_SERIES:
         assert steps_of(points, metric) == expected_steps
     first = [p for p in points if p["metric"] == "train/loss"][0]
-    assert first == {"metric": "train/loss", "short": "batch", "type": "loss",
-                     "step": 4, "value": first["value"]}
+    assert first == {
+        "metric": "train/loss",
+        "short": "batch",
+        "type": "loss",
+        "step": 4,
+        "value": first["value"],
+    }
     accuracy = [p for p in points if p["metric"] == "eval/test/Accuracy"]
     assert {(p["short"], p["type"]) for p in accuracy} == {("acc", "accuracy")}
     # One key for one metric: the plot's series are the loop's history keys, same values.
@@ -59,7 +65,10 @@ def test_points_and_pngs(tmp_path):
         assert (point["step"], pytest.approx(point["value"])) in loop.history[point["metric"]]
     assert compiled == []
 
-    assert sorted(os.path.basename(path) for path in plotter.png_paths) == ["accuracy.png", "loss.png"]
+    assert sorted(os.path.basename(path) for path in plotter.png_paths) == [
+        "accuracy.png",
+        "loss.png",
+    ]
     import matplotlib.image
 
     for path in plotter.png_paths:
@@ -99,10 +108,24 @@ def test_resume_into_the_same_directory_continues_the_curves(tmp_path):
 
 def test_non_finite_values_are_skipped():
     trainer = make_trainer()
-    points = points_of(trainer, 7, {"train/loss": float("nan"), "train/moving_average_loss": 1.5,
-                                    "train/Moving Average Accuracy": float("inf")})
-    assert points == [{"metric": "train/moving_average_loss", "short": "~loss", "type": "loss",
-                       "step": 7, "value": 1.5}]
+    points = points_of(
+        trainer,
+        7,
+        {
+            "train/loss": float("nan"),
+            "train/moving_average_loss": 1.5,
+            "train/Moving Average Accuracy": float("inf"),
+        },
+    )
+    assert points == [
+        {
+            "metric": "train/moving_average_loss",
+            "short": "~loss",
+            "type": "loss",
+            "step": 7,
+            "value": 1.5,
+        }
+    ]
 
 
 def test_bad_arguments(tmp_path):
@@ -144,11 +167,15 @@ WITHOUT_MATPLOTLIB = textwrap.dedent("""
 def test_everything_but_rendering_works_without_matplotlib(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", WITHOUT_MATPLOTLIB.format(helpers=HELPERS), str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "IMPORT ERROR: loopax.hooks.plot renders PNGs with matplotlib, which is not " \
-           "installed; install it with `pip install loopax[plot]`" in result.stdout
+    assert (
+        "IMPORT ERROR: loopax.hooks.plot renders PNGs with matplotlib, which is not "
+        "installed; install it with `pip install loopax[plot]`" in result.stdout
+    )
     assert result.stdout.rstrip().endswith("OK")
     assert len(read_points(tmp_path / "points")) == 3 + 2  # train and eval series at step 2
     assert not (tmp_path / "plots").exists()

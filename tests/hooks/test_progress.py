@@ -6,8 +6,8 @@ import os
 import pty
 import re
 import select
-import subprocess
 import struct
+import subprocess
 import sys
 import termios
 import textwrap
@@ -54,8 +54,13 @@ def run_in_terminal(script, timeout=120, columns=200):
     controller, terminal = pty.openpty()
     # A 40-row terminal: a new pseudo-terminal reports 0 columns, and tqdm fits bars to it.
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL,
-                               stdout=terminal, stderr=terminal, close_fds=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        close_fds=True,
+    )
     os.close(terminal)
     output = b""
     deadline = time.monotonic() + timeout
@@ -101,8 +106,11 @@ def line_for(lines, text):
 
 def test_shows_step_k_of_n_rate_eta_and_metrics(terminal_output):
     first = line_for(terminal_output, "step 1 of 20 ")
-    assert re.search(r"^\s*5%\|.*\| step 1 of 20 \[\? steps/s, ETA \?\] batch=\S+ ~loss=\S+ "
-                     r"~acc=\d+\.\d\d%$", first), first
+    assert re.search(
+        r"^\s*5%\|.*\| step 1 of 20 \[\? steps/s, ETA \?\] batch=\S+ ~loss=\S+ "
+        r"~acc=\d+\.\d\d%$",
+        first,
+    ), first
     # Compile-free steps take 0.5 s: 2 steps/s; the 100 s step with a compile is left out.
     assert "step 10 of 20 [2 steps/s, ETA 00:05]" in line_for(terminal_output, "step 10 of 20 ")
     last = line_for(terminal_output, "step 20 of 20 ")

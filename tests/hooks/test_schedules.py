@@ -286,8 +286,11 @@ def test_bad_period_is_rejected(period):
         PeriodicRule(period)
 
 
-@given(n=st.integers(1, 50), total=st.one_of(st.none(), st.integers(1, 3000)),
-       done=st.integers(1, 3500))
+@given(
+    n=st.integers(1, 50),
+    total=st.one_of(st.none(), st.integers(1, 3000)),
+    done=st.integers(1, 3500),
+)
 def test_n_times_next_point_is_the_next_firing_point(n, total, done):
     # The loop asks a schedule only from the step it names: it must never skip a firing.
     rule = NTimesRule(n)

@@ -50,16 +50,23 @@ def test_scalars_read_back_with_event_accumulator(tmp_path):
     loop, writer, recorded, compiled = run_logged(tmp_path, every_n_steps=5)
     events = read_events(tmp_path)
     scalar_tags = events.Tags()["scalars"]
-    assert set(scalar_tags) == {*TRAIN_TAGS, "train/learning_rate", "eval/test/mean_loss",
-                                "eval/test/Accuracy"}
+    assert set(scalar_tags) == {
+        *TRAIN_TAGS,
+        "train/learning_rate",
+        "eval/test/mean_loss",
+        "eval/test/Accuracy",
+    }
     for tag in TRAIN_TAGS:
         scalars = events.Scalars(tag)
         # every 5 steps (global steps 5, 10) and at the end of the run (12)
         assert [s.step for s in scalars] == [5, 10, 12]
         key = tag.split("/", 1)[1]
-        np.testing.assert_allclose([s.value for s in scalars],
-                                   [recorded[step][key] for step in (5, 10, 12)], rtol=1e-6)
-    assert [s.value for s in events.Scalars("train/learning_rate")] == pytest.approx([LEARNING_RATE] * 3)
+        np.testing.assert_allclose(
+            [s.value for s in scalars], [recorded[step][key] for step in (5, 10, 12)], rtol=1e-6
+        )
+    assert [s.value for s in events.Scalars("train/learning_rate")] == pytest.approx(
+        [LEARNING_RATE] * 3
+    )
     assert [s.step for s in events.Scalars("eval/test/mean_loss")] == [6, 12]
     # One key for one metric: TensorBoard's tags are the loop's history keys, same values.
     for tag in scalar_tags:
@@ -77,14 +84,19 @@ def test_scalars_read_back_with_event_accumulator(tmp_path):
 
 
 def test_histograms_and_a_second_run(tmp_path):
-    loop, writer, _, _ = run_logged(tmp_path, steps=4, every_n_steps=100,
-                                    histograms_every_n_steps=2, summary=False)
+    loop, writer, _, _ = run_logged(
+        tmp_path, steps=4, every_n_steps=100, histograms_every_n_steps=2, summary=False
+    )
     loop.run_steps(make_data(loop_forever=True), 3)  # a second run appends to the same file
     events = read_events(tmp_path)
     assert "run/summary" not in events.Tags()["tensors"]
     histograms = [tag for tag in events.Tags()["tensors"] if tag.startswith("params/")]
-    assert sorted(histograms) == ["params/Dense_0/bias", "params/Dense_0/kernel",
-                                  "params/Dense_1/bias", "params/Dense_1/kernel"]
+    assert sorted(histograms) == [
+        "params/Dense_0/bias",
+        "params/Dense_0/kernel",
+        "params/Dense_1/bias",
+        "params/Dense_1/kernel",
+    ]
     kernel = events.Tensors("params/Dense_1/kernel")  # the (4, 8) kernel
     assert [event.step for event in kernel] == [2, 4, 6]
     buckets = np.frombuffer(kernel[0].tensor_proto.tensor_content, np.float64).reshape(-1, 3)
@@ -121,9 +133,22 @@ def test_a_real_tensorboard_server_serves_the_scalars(tmp_path):
     log_path = tmp_path.parent / f"{tmp_path.name}-tensorboard.log"
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
         server = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path),
-             "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--load_fast",
+                "false",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     base = f"http://127.0.0.1:{port}/data/plugin/scalars"
     try:

@@ -332,7 +332,11 @@ def test_hook_names_and_returned_triggers(loop):
     assert [name for _, name in loop.hooks("OnEnd")] == names[2:]
     assert [trigger.name for trigger in triggers] == names
     assert [type(trigger.schedule) for trigger in triggers] == [
-        hooks.EveryNSteps, hooks.NTimes, hooks.Periodic, hooks.Exponential]
+        hooks.EveryNSteps,
+        hooks.NTimes,
+        hooks.Periodic,
+        hooks.Exponential,
+    ]
     # Their positions are part of the loop's checkpointed state, under the hook names.
     assert list(loop.get_state()["hooks"]) == names
     # Default-band hooks do not wait for the loss check before they run.
@@ -361,8 +365,13 @@ def test_triggers_run_in_priority_order(loop, dataset):
     exponential_callback(loop, 1, 2.0, "eval", record("eval"), priority=P.EVALUATE)
     loop.run_steps(dataset, 2)
     assert order == [
-        (0, "plain"), (0, "ckpt"), (0, "ui"),
-        (1, "eval"), (1, "plain"), (1, "ckpt"), (1, "ui"),
+        (0, "plain"),
+        (0, "ckpt"),
+        (0, "ui"),
+        (1, "eval"),
+        (1, "plain"),
+        (1, "ckpt"),
+        (1, "ui"),
     ]
     assert [priority for priority, _ in loop.hooks("OnStep")] == [P.EVALUATE, 0, P.CHECKPOINT, P.UI]
 
@@ -916,7 +925,8 @@ def test_triggers_registered_during_a_run_fire_from_the_next_step(loop, dataset)
         "exponential": lambda loop, fn: exponential_callback(loop, 10, 1.2, "exponential", fn),
         "first": lambda loop, fn: first_n_steps(loop, 20, "first", fn),
         "combined": lambda loop, fn: on_schedule(
-            loop, Exponential(5, 2.0) | AtSteps([30]), "combined", fn),
+            loop, Exponential(5, 2.0) | AtSteps([30]), "combined", fn
+        ),
     }
 
     def register_at_step_14(loop, metrics):
@@ -949,9 +959,7 @@ def test_exponential_registered_by_a_scheduled_hook_starts_on_its_grid(loop, dat
     assert fired == [53, 73, 97]
 
 
-def test_registering_an_earlier_hook_during_a_step_does_not_rerun_the_current_one(
-    loop, dataset
-):
+def test_registering_an_earlier_hook_during_a_step_does_not_rerun_the_current_one(loop, dataset):
     calls, fired = [], []
 
     def register_once(loop, metrics):

@@ -39,8 +39,13 @@ def test_a_user_writer_gets_train_metrics_on_its_schedule_and_every_evaluation()
     evals = sorted(step for step, values in writer.scalars if "eval/test/mean_loss" in values)
     assert train == [3, 6, 8] and evals == [4, 8]
     assert {key for _, values in writer.scalars for key in values} == {
-        "train/loss", "train/moving_average_loss", "train/Moving Average Accuracy",
-        "train/learning_rate", "eval/test/mean_loss", "eval/test/Accuracy"}
+        "train/loss",
+        "train/moving_average_loss",
+        "train/Moving Average Accuracy",
+        "train/learning_rate",
+        "eval/test/mean_loss",
+        "eval/test/Accuracy",
+    }
     assert writer.truncations == [0]  # the run's start: nothing after step 0 to drop
     assert writer.flushes == 1  # the end of the run
     for step, values in writer.scalars:
@@ -64,8 +69,9 @@ def test_one_key_for_one_metric_in_every_output(tmp_path):
     hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=3)
     hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=3)
     hooks.plot(loop, tmp_path / "plot", start_step=3, factor=2, render=False)
-    checkpointer = hooks.checkpoint(loop, tmp_path / "ckpt", every_n_steps=3, keep=1,
-                                    best_metric=key, best_mode="max")
+    checkpointer = hooks.checkpoint(
+        loop, tmp_path / "ckpt", every_n_steps=3, keep=1, best_metric=key, best_mode="max"
+    )
     loop.run_steps(make_data(loop_forever=True), 12)
     checkpointer.wait()
     expected = loop.history[key]
@@ -75,12 +81,14 @@ def test_one_key_for_one_metric_in_every_output(tmp_path):
     events.Reload()
     assert [(s.step, pytest.approx(s.value)) for s in events.Scalars(key)] == expected
     with open(tmp_path / "log.csv", newline="") as file:
-        rows = [(int(r["step"]), float(r["value"])) for r in csv.DictReader(file)
-                if r["metric"] == key]
+        rows = [
+            (int(r["step"]), float(r["value"])) for r in csv.DictReader(file) if r["metric"] == key
+        ]
     assert rows == [(step, pytest.approx(value)) for step, value in expected]
     with open(tmp_path / "plot" / "plot_points.jsonl") as file:
         points = [json.loads(line) for line in file]
     assert [(p["step"], p["value"]) for p in points if p["metric"] == key] == [
-        (step, pytest.approx(value)) for step, value in expected]
+        (step, pytest.approx(value)) for step, value in expected
+    ]
     # The checkpoint hook ranks its saves by the same key and values.
     assert dict(expected)[checkpointer.best_step()] == max(value for _, value in expected)

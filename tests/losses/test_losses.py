@@ -42,9 +42,7 @@ def ref_mae(y, p):
 def ref_huber(delta):
     def per_element(y, p):
         abs_error = np.abs(np.float64(y) - p)
-        return np.where(
-            abs_error <= delta, 0.5 * abs_error**2, delta * (abs_error - 0.5 * delta)
-        )
+        return np.where(abs_error <= delta, 0.5 * abs_error**2, delta * (abs_error - 0.5 * delta))
 
     return per_element
 
@@ -133,16 +131,24 @@ CASES = {
     "huber_delta_0.5": (losses.huber(delta=0.5), ref_huber(0.5), _regression_inputs),
     "binary_crossentropy": (losses.binary_crossentropy, ref_bce, _binary_inputs),
     "binary_crossentropy_logits": (
-        losses.binary_crossentropy_logits, ref_bce_logits, _binary_logits_inputs,
+        losses.binary_crossentropy_logits,
+        ref_bce_logits,
+        _binary_logits_inputs,
     ),
     "categorical_crossentropy": (
-        losses.categorical_crossentropy, ref_cce, _categorical_inputs,
+        losses.categorical_crossentropy,
+        ref_cce,
+        _categorical_inputs,
     ),
     "categorical_crossentropy_logits": (
-        losses.categorical_crossentropy_logits, ref_cce_logits, _categorical_logits_inputs,
+        losses.categorical_crossentropy_logits,
+        ref_cce_logits,
+        _categorical_logits_inputs,
     ),
     "sparse_categorical_crossentropy_logits": (
-        losses.sparse_categorical_crossentropy_logits, ref_sparse, _sparse_inputs,
+        losses.sparse_categorical_crossentropy_logits,
+        ref_sparse,
+        _sparse_inputs,
     ),
 }
 REGRESSION = ["mean_squared_error", "mean_absolute_error", "huber", "huber_delta_0.5"]
@@ -171,8 +177,11 @@ def test_matches_reference(case, extras):
     mask = _mask(extra_shape) if "mask" in extras else None
     weights = _weights(extra_shape) if "weights" in extras else None
     extra_labels = {
-        "none": [], "mask": [mask], "weights": [weights],
-        "mask_weights": [mask, weights], "weights_mask": [weights, mask],
+        "none": [],
+        "mask": [mask],
+        "weights": [weights],
+        "mask_weights": [mask, weights],
+        "weights_mask": [weights, mask],
     }[extras]
 
     loss = loss_fn([jnp.asarray(y), *map(jnp.asarray, extra_labels)], [jnp.asarray(p)])
@@ -221,8 +230,7 @@ def test_bad_extra_labels_raise(case, bad):
         "wrong_shape": [np.ones(wrong_shape, np.float32)],
         "int_dtype": [np.ones(extra_shape, np.int32)],
         "two_masks": [np.ones(extra_shape, bool), np.ones(extra_shape, bool)],
-        "three_extras": [np.ones(extra_shape, bool), _weights(extra_shape),
-                         _weights(extra_shape)],
+        "three_extras": [np.ones(extra_shape, bool), _weights(extra_shape), _weights(extra_shape)],
     }[bad]
     with pytest.raises(ValueError) as error:
         loss_fn([y, *extra_labels], [p])
@@ -232,8 +240,9 @@ def test_bad_extra_labels_raise(case, bad):
         assert "labels[1]" in str(error.value)
 
 
-@pytest.mark.parametrize("case", ["binary_crossentropy", "binary_crossentropy_logits",
-                                  "categorical_crossentropy"])
+@pytest.mark.parametrize(
+    "case", ["binary_crossentropy", "binary_crossentropy_logits", "categorical_crossentropy"]
+)
 def test_batch_shaped_weights_are_rejected_where_not_documented(case):
     loss_fn, _, make_inputs = CASES[case]
     y, p, extra_shape = make_inputs()
@@ -312,8 +321,7 @@ def test_categorical_logits_tolerates_minus_inf_for_unused_classes():
     _assert_close(losses.categorical_crossentropy_logits([one_hot], [logits]), np.log(2))
 
 
-@pytest.mark.parametrize("loss_fn", [losses.binary_crossentropy,
-                                     losses.categorical_crossentropy])
+@pytest.mark.parametrize("loss_fn", [losses.binary_crossentropy, losses.categorical_crossentropy])
 def test_probabilities_of_exactly_zero_and_one_are_clipped(loss_fn):
     p = np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)
     y = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
@@ -453,9 +461,15 @@ def test_jit_matches_eager_and_compiles_once(case):
 def test_public_api():
     assert losses.__all__ == sorted(losses.__all__)
     assert set(losses.__all__) == {
-        "binary_crossentropy", "binary_crossentropy_logits", "categorical_crossentropy",
-        "categorical_crossentropy_logits", "from_name", "huber", "mean_absolute_error",
-        "mean_squared_error", "sparse_categorical_crossentropy_logits",
+        "binary_crossentropy",
+        "binary_crossentropy_logits",
+        "categorical_crossentropy",
+        "categorical_crossentropy_logits",
+        "from_name",
+        "huber",
+        "mean_absolute_error",
+        "mean_squared_error",
+        "sparse_categorical_crossentropy_logits",
     }
     for name in losses.__all__:
         doc = getattr(losses, name).__doc__

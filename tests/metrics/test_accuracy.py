@@ -34,16 +34,23 @@ def correct_np(kind, labels, predictions):
     return predictions * (labels - 0.5) > 0
 
 
-MEAN = {"sparse": metrics.SparseCategoricalAccuracy, "binary": metrics.BinaryAccuracy,
-        "logits": metrics.BinaryLogitsAccuracy}
-MOVING = {"sparse": metrics.MovingAverageSparseCategoricalAccuracy,
-          "binary": metrics.MovingAverageBinaryAccuracy,
-          "logits": metrics.MovingAverageBinaryLogitsAccuracy}
+MEAN = {
+    "sparse": metrics.SparseCategoricalAccuracy,
+    "binary": metrics.BinaryAccuracy,
+    "logits": metrics.BinaryLogitsAccuracy,
+}
+MOVING = {
+    "sparse": metrics.MovingAverageSparseCategoricalAccuracy,
+    "binary": metrics.MovingAverageBinaryAccuracy,
+    "logits": metrics.MovingAverageBinaryLogitsAccuracy,
+}
 KINDS = sorted(MEAN)
 
 
 def make_batch(kind, rng, size):
-    return sparse_batch(rng, size) if kind == "sparse" else binary_batch(rng, size, kind == "logits")
+    return (
+        sparse_batch(rng, size) if kind == "sparse" else binary_batch(rng, size, kind == "logits")
+    )
 
 
 def shard_bounds(size, num_shards):
@@ -51,8 +58,10 @@ def shard_bounds(size, num_shards):
 
 
 def global_partial(metric, labels, predictions, bounds):
-    partials = [metric.update([l[a:b] for l in labels], [p[a:b] for p in predictions])
-                for a, b in zip(bounds[:-1], bounds[1:])]
+    partials = [
+        metric.update([l[a:b] for l in labels], [p[a:b] for p in predictions])
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     return functools.reduce(metric.merge, partials)
 
 
@@ -100,12 +109,20 @@ def test_sparse_accuracy_over_sequence_axes():
     acc = metrics.SparseCategoricalAccuracy()
     partial = acc.update([labels], [logits])
     assert float(partial.weight) == 12.0
-    np.testing.assert_allclose(acc.compute(partial), (logits.argmax(-1) == labels).mean(), rtol=1e-6)
+    np.testing.assert_allclose(
+        acc.compute(partial), (logits.argmax(-1) == labels).mean(), rtol=1e-6
+    )
 
 
 def test_binary_edges_are_misses():
-    assert float(metrics.BinaryAccuracy().compute(
-        metrics.BinaryAccuracy().update([jnp.array([1.0, 0.0])], [jnp.array([0.5, 0.5])]))) == 0.0
+    assert (
+        float(
+            metrics.BinaryAccuracy().compute(
+                metrics.BinaryAccuracy().update([jnp.array([1.0, 0.0])], [jnp.array([0.5, 0.5])])
+            )
+        )
+        == 0.0
+    )
     logits = metrics.BinaryLogitsAccuracy()
     assert float(logits.compute(logits.update([jnp.array([1, 0])], [jnp.array([0.0, 0.0])]))) == 0.0
 
@@ -125,15 +142,23 @@ def test_mask_and_weights(kind, order):
     labels, predictions = make_batch(kind, rng, 16)
     mask = rng.uniform(size=16) < 0.6
     weights = rng.uniform(0.1, 2.0, size=16).astype(np.float32)
-    extras = {"mask_first": [mask, weights], "weights_first": [weights, mask],
-              "mask_only": [mask], "weights_only": [weights]}[order]
-    weights_np = np.where(mask, weights, 0.0) if len(extras) == 2 else \
-        (mask.astype(np.float32) if order == "mask_only" else weights)
+    extras = {
+        "mask_first": [mask, weights],
+        "weights_first": [weights, mask],
+        "mask_only": [mask],
+        "weights_only": [weights],
+    }[order]
+    weights_np = (
+        np.where(mask, weights, 0.0)
+        if len(extras) == 2
+        else (mask.astype(np.float32) if order == "mask_only" else weights)
+    )
     expected = (correct_np(kind, labels, predictions) * weights_np).sum() / weights_np.sum()
     for metric in (MEAN[kind](), MOVING[kind]()):
         partial = global_partial(metric, [labels, *extras], [predictions], shard_bounds(16, 4))
-        np.testing.assert_allclose(metric.compute(metric.accumulate(metric.init(), partial)),
-                                   expected, rtol=1e-5)
+        np.testing.assert_allclose(
+            metric.compute(metric.accumulate(metric.init(), partial)), expected, rtol=1e-5
+        )
 
 
 def test_masked_out_weights_may_be_nan():
@@ -143,7 +168,10 @@ def test_masked_out_weights_may_be_nan():
 
 
 def test_fully_masked_batch():
-    acc, moving = metrics.SparseCategoricalAccuracy(), metrics.MovingAverageSparseCategoricalAccuracy()
+    acc, moving = (
+        metrics.SparseCategoricalAccuracy(),
+        metrics.MovingAverageSparseCategoricalAccuracy(),
+    )
     logits = jnp.array([[1.0, 0.0], [1.0, 0.0]])
     hit = [jnp.array([0, 0]), jnp.array([True, True])]
     none = [jnp.array([0, 1]), jnp.array([False, False])]
@@ -153,11 +181,20 @@ def test_fully_masked_batch():
     assert int(state.count) == 1 and float(moving.compute(state)) == 1.0
 
 
-@pytest.mark.parametrize("extra, message", [
-    (np.ones(3, bool), r"labels\[1\] \(mask\) has shape \(3,\); expected .*shape \(4,\)"),
-    (np.ones((4, 1), np.float32), r"labels\[1\] \(weights\) has shape \(4, 1\); expected .*shape \(4,\)"),
-    (np.ones(4, np.int32), r"labels\[1\] has dtype int32; expected a bool mask and/or float weights"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (np.ones(3, bool), r"labels\[1\] \(mask\) has shape \(3,\); expected .*shape \(4,\)"),
+        (
+            np.ones((4, 1), np.float32),
+            r"labels\[1\] \(weights\) has shape \(4, 1\); expected .*shape \(4,\)",
+        ),
+        (
+            np.ones(4, np.int32),
+            r"labels\[1\] has dtype int32; expected a bool mask and/or float weights",
+        ),
+    ],
+)
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_extra_labels_raise_naming_expected_shapes(kind, extra, message):
     labels, predictions = make_batch(kind, np.random.default_rng(4), 4)
@@ -213,8 +250,11 @@ def test_jitted_pipeline_matches_eager_and_compiles_once(kind, family):
 
 
 @settings(max_examples=20, deadline=None)
-@given(cuts=st.lists(st.integers(1, 19), min_size=3, max_size=3, unique=True),
-       kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
+@given(
+    cuts=st.lists(st.integers(1, 19), min_size=3, max_size=3, unique=True),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+)
 def test_merged_random_shards_equal_whole_batch(cuts, kind, seed):
     rng = np.random.default_rng(seed)
     labels, predictions = make_batch(kind, rng, 20)
@@ -228,12 +268,19 @@ def test_merged_random_shards_equal_whole_batch(cuts, kind, seed):
 def test_names_types_and_pretty_print():
     for cls in MEAN.values():
         metric = cls()
-        assert (metric.name, metric.short_name, metric.metric_type) == ("Accuracy", "acc", "accuracy")
+        assert (metric.name, metric.short_name, metric.metric_type) == (
+            "Accuracy",
+            "acc",
+            "accuracy",
+        )
         assert metric.pretty_print(jnp.float32(0.93412)) == "93.41%"
     for cls in MOVING.values():
         metric = cls()
-        assert (metric.name, metric.short_name, metric.metric_type) == \
-            ("Moving Average Accuracy", "~acc", "accuracy")
+        assert (metric.name, metric.short_name, metric.metric_type) == (
+            "Moving Average Accuracy",
+            "~acc",
+            "accuracy",
+        )
         assert metric.new_example_weight == 0.01
         assert metric.pretty_print(1.0) == "100.00%"
     renamed = metrics.BinaryAccuracy(name="Train Accuracy", short_name="tacc")

@@ -22,8 +22,10 @@ def mean_squared_error(labels, predictions):
 
 def make_batches(sizes, seed=0):
     rng = np.random.default_rng(seed)
-    return [([rng.normal(size=n).astype(np.float32)], [rng.normal(size=n).astype(np.float32)])
-            for n in sizes]
+    return [
+        ([rng.normal(size=n).astype(np.float32)], [rng.normal(size=n).astype(np.float32)])
+        for n in sizes
+    ]
 
 
 def shard(arrays, bounds):
@@ -34,7 +36,9 @@ def global_partial(metric, labels, predictions, bounds=None):
     """What the trainer does: update per device shard, then fold with merge."""
     if bounds is None:
         return metric.update(labels, predictions)
-    partials = [metric.update(ls, ps) for ls, ps in zip(shard(labels, bounds), shard(predictions, bounds))]
+    partials = [
+        metric.update(ls, ps) for ls, ps in zip(shard(labels, bounds), shard(predictions, bounds))
+    ]
     return functools.reduce(metric.merge, partials)
 
 
@@ -42,7 +46,11 @@ def run(metric, batches, num_shards=1):
     state = metric.init()
     for labels, predictions in batches:
         size = len(predictions[0])
-        bounds = None if num_shards == 1 else [round(i * size / num_shards) for i in range(num_shards + 1)]
+        bounds = (
+            None
+            if num_shards == 1
+            else [round(i * size / num_shards) for i in range(num_shards + 1)]
+        )
         state = metric.accumulate(state, global_partial(metric, labels, predictions, bounds))
     return metric.compute(state)
 
@@ -98,18 +106,25 @@ def test_mean_upcasts_low_precision_values():
 
 def test_mean_names_and_defaults():
     mean = metrics.Mean("Mean Squared Error", squared_error, metric_type="loss")
-    assert (mean.name, mean.short_name, mean.metric_type) == ("Mean Squared Error", "Mean Squared Error", "loss")
+    assert (mean.name, mean.short_name, mean.metric_type) == (
+        "Mean Squared Error",
+        "Mean Squared Error",
+        "loss",
+    )
     assert metrics.Mean("x", squared_error, short_name="mse").short_name == "mse"
     assert isinstance(mean, metrics.Metric)
     assert repr(mean) == "Mean(name='Mean Squared Error')"
 
 
-@pytest.mark.parametrize("make", [
-    lambda: metrics.Mean("", squared_error),
-    lambda: metrics.MovingAverage("", squared_error),
-    lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=0.0),
-    lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=1.5),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: metrics.Mean("", squared_error),
+        lambda: metrics.MovingAverage("", squared_error),
+        lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=0.0),
+        lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=1.5),
+    ],
+)
 def test_invalid_configuration_raises_at_construction(make):
     with pytest.raises(ValueError):
         make()
@@ -141,8 +156,9 @@ def test_moving_average_matches_reference(num_shards):
     batches = make_batches(sizes, seed=1)
     batch_means = [float(np.mean((l[0] - p[0]) ** 2)) for l, p in batches]
     ma = metrics.MovingAverage("ma", squared_error, new_example_weight=0.25)
-    np.testing.assert_allclose(run(ma, batches, num_shards),
-                               moving_average_reference(batch_means, 0.25), rtol=1e-5)
+    np.testing.assert_allclose(
+        run(ma, batches, num_shards), moving_average_reference(batch_means, 0.25), rtol=1e-5
+    )
 
 
 def test_moving_average_is_exact_mean_of_batch_means_during_warm_up():
@@ -170,18 +186,23 @@ def test_moving_average_state_layout_and_skip_of_weightless_batch():
     assert int(skipped.count) == 1 and float(skipped.mean) == 1.0
 
 
-@pytest.mark.parametrize("make", [
-    lambda: metrics.Mean("m", squared_error),
-    lambda: metrics.Mean("m", mean_squared_error),
-    lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=0.3),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: metrics.Mean("m", squared_error),
+        lambda: metrics.Mean("m", mean_squared_error),
+        lambda: metrics.MovingAverage("ma", squared_error, new_example_weight=0.3),
+    ],
+)
 def test_jitted_pipeline_matches_eager_and_compiles_once(make):
     metric = make()
 
     @jax.jit
     def step(state, labels, predictions):
-        partials = [metric.update(ls, ps) for ls, ps in zip(shard(labels, [0, 2, 4, 6, 8]),
-                                                           shard(predictions, [0, 2, 4, 6, 8]))]
+        partials = [
+            metric.update(ls, ps)
+            for ls, ps in zip(shard(labels, [0, 2, 4, 6, 8]), shard(predictions, [0, 2, 4, 6, 8]))
+        ]
         state = metric.accumulate(state, functools.reduce(metric.merge, partials))
         return state, metric.compute(state)
 
@@ -191,30 +212,38 @@ def test_jitted_pipeline_matches_eager_and_compiles_once(make):
         eager_state = metric.accumulate(eager_state, metric.update(labels, predictions))
         np.testing.assert_allclose(value, metric.compute(eager_state), rtol=1e-6)
     assert step._cache_size() == 1
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == \
-        jax.tree.map(lambda a: (a.shape, a.dtype), metric.init())
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), metric.init()
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(cuts=st.lists(st.integers(1, 23), min_size=3, max_size=3, unique=True),
-       scalar_fn=st.booleans())
+@given(
+    cuts=st.lists(st.integers(1, 23), min_size=3, max_size=3, unique=True), scalar_fn=st.booleans()
+)
 def test_merged_shards_equal_whole_batch(cuts, scalar_fn):
-    (labels, predictions), = make_batches([24], seed=3)
+    ((labels, predictions),) = make_batches([24], seed=3)
     bounds = [0, *sorted(cuts), 24]
-    for metric in (metrics.Mean("m", mean_squared_error if scalar_fn else squared_error),
-                   metrics.MovingAverage("ma", mean_squared_error if scalar_fn else squared_error)):
+    for metric in (
+        metrics.Mean("m", mean_squared_error if scalar_fn else squared_error),
+        metrics.MovingAverage("ma", mean_squared_error if scalar_fn else squared_error),
+    ):
         whole = metric.update(labels, predictions)
         merged = global_partial(metric, labels, predictions, bounds)
         np.testing.assert_allclose(merged, whole, rtol=1e-5)
-        np.testing.assert_allclose(metric.compute(metric.accumulate(metric.init(), merged)),
-                                   metric.compute(metric.accumulate(metric.init(), whole)), rtol=1e-5)
+        np.testing.assert_allclose(
+            metric.compute(metric.accumulate(metric.init(), merged)),
+            metric.compute(metric.accumulate(metric.init(), whole)),
+            rtol=1e-5,
+        )
 
 
 def test_merge_is_associative():
     metric = metrics.Mean("m", squared_error)
     a, b, c = (metric.update(l, p) for l, p in make_batches([3, 5, 7], seed=4))
-    np.testing.assert_allclose(metric.merge(metric.merge(a, b), c), metric.merge(a, metric.merge(b, c)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        metric.merge(metric.merge(a, b), c), metric.merge(a, metric.merge(b, c)), rtol=1e-6
+    )
 
 
 def test_pretty_print_uses_three_significant_digits():

@@ -14,16 +14,25 @@ def test_all_is_sorted_and_exported():
         assert getattr(metrics, name) is not None
 
 
-@pytest.mark.parametrize("module", ["loopax.metrics._base", "loopax.metrics._mean",
-                                    "loopax.metrics._accuracy"])
+@pytest.mark.parametrize(
+    "module", ["loopax.metrics._base", "loopax.metrics._mean", "loopax.metrics._accuracy"]
+)
 def test_doctests_pass(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("value, text", [(0.123456, "0.123"), (1234.5, "1.23e+03"), (2.0, "2"),
-                                         (float("nan"), "nan"), (float("inf"), "inf")])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (0.123456, "0.123"),
+        (1234.5, "1.23e+03"),
+        (2.0, "2"),
+        (float("nan"), "nan"),
+        (float("inf"), "inf"),
+    ],
+)
 def test_format_number(value, text):
     assert metrics.format_number(value) == text
 

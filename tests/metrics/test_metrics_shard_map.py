@@ -61,11 +61,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_shard_map_on_four_devices_equals_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.strip().endswith("ok")

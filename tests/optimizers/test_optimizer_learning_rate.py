@@ -76,9 +76,7 @@ def test_set_learning_rate_inside_jit():
 
     @jax.jit
     def halve(opt_state):
-        return optimizers.set_learning_rate(
-            opt_state, optimizers.get_learning_rate(opt_state) / 2
-        )
+        return optimizers.set_learning_rate(opt_state, optimizers.get_learning_rate(opt_state) / 2)
 
     opt_state = halve(optimizer.init(_PARAMS))
     assert float(optimizers.get_learning_rate(opt_state)) == 0.25

@@ -62,9 +62,7 @@ def test_optimizers_with_clipping_still_train(name):
     initial_loss = float(loss_fn(params))
     params, opt_state = _train(optimizer, loss_fn, params, num_steps=200)
     assert float(loss_fn(params)) < 0.01 * initial_loss
-    assert float(optimizers.get_learning_rate(opt_state)) == pytest.approx(
-        _LEARNING_RATES[name]
-    )
+    assert float(optimizers.get_learning_rate(opt_state)) == pytest.approx(_LEARNING_RATES[name])
 
 
 def test_sgd_momentum_and_nesterov_train():

@@ -60,10 +60,11 @@ def make_data(examples=48, *, name="train", loop_forever=True, nan_at_batch=None
     inputs = rng.normal(size=(examples, NUM_FEATURES)).astype(np.float32)
     labels = inputs[:, :2].sum(axis=1, keepdims=True)
     if nan_at_batch is not None:
-        inputs[nan_at_batch * BATCH_SIZE:(nan_at_batch + 1) * BATCH_SIZE] = np.nan
+        inputs[nan_at_batch * BATCH_SIZE : (nan_at_batch + 1) * BATCH_SIZE] = np.nan
         kwargs["shuffle"] = False
-    return loopax.ArrayDataset(inputs, labels, BATCH_SIZE, name=name, loop_forever=loop_forever,
-                               seed=1, **kwargs)
+    return loopax.ArrayDataset(
+        inputs, labels, BATCH_SIZE, name=name, loop_forever=loop_forever, seed=1, **kwargs
+    )
 
 
 def train_with_checkpoints(trainer, directory, steps, every=2):
@@ -91,14 +92,18 @@ def remember_states(loop):
 def assert_trees_equal(expected, actual):
     expected, actual = jax.device_get(expected), jax.device_get(actual)
     assert jax.tree.structure(expected) == jax.tree.structure(actual)
-    for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
-                                 jax.tree.leaves(actual)):
+    for (path, want), got in zip(
+        jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)
+    ):
         assert np.array_equal(want, got), jax.tree_util.keystr(path)
 
 
 def all_finite(tree):
-    return all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(jax.device_get(tree))
-               if np.issubdtype(np.asarray(leaf).dtype, np.inexact))
+    return all(
+        np.isfinite(leaf).all()
+        for leaf in jax.tree.leaves(jax.device_get(tree))
+        if np.issubdtype(np.asarray(leaf).dtype, np.inexact)
+    )
 
 
 def array_data_files(checkpoint: Path) -> list[Path]:
@@ -106,14 +111,16 @@ def array_data_files(checkpoint: Path) -> list[Path]:
     process wrote (OCDBT; the top-level `state/d/` holds the index). How the arrays spread
     over them varies from save to save, so tests damage them all."""
     files = sorted((checkpoint / "state" / "ocdbt.process_0" / "d").iterdir())
-    assert max(path.stat().st_size for path in files) > 4 * NUM_FEATURES * HIDDEN, \
+    assert max(path.stat().st_size for path in files) > 4 * NUM_FEATURES * HIDDEN, (
         "the arrays are not in data files of their own (inlined in the index?)"
+    )
     return files
 
 
 def files_under(directory: Path) -> list[str]:
-    return sorted(str(path.relative_to(directory))
-                  for path in directory.rglob("*") if path.is_file())
+    return sorted(
+        str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file()
+    )
 
 
 def flip_bytes(path: Path, count=16):

@@ -44,8 +44,16 @@ from loopax import hooks
 EVERY_CHECKPOINT, EVERY_EVALUATION, EVERY_TENSORBOARD, EVERY_METRICS_LOG = 5, 4, 3, 2
 PLOT_START, PLOT_FACTOR = 2, 1.5
 KILL_POINTS = (
-    "at-step", "after-save-issued", "in-commit", "after-commit", "before-delete", "in-eval",
-    "tensorboard-write", "metrics-log-write", "plot-write", "after-run",
+    "at-step",
+    "after-save-issued",
+    "in-commit",
+    "after-commit",
+    "before-delete",
+    "in-eval",
+    "tensorboard-write",
+    "metrics-log-write",
+    "plot-write",
+    "after-run",
 )
 
 
@@ -60,10 +68,12 @@ def make_datasets():
     inputs = rng.normal(size=(72, 4)).astype(np.float32)
     labels = (np.digitize(inputs[:, 0] + inputs[:, 1], [-0.5, 0.5])).astype(np.int32)
     # 48 train examples in batches of 8: a run of 32 steps crosses 5 reshuffled epochs.
-    train = loopax.ArrayDataset(inputs[:48], labels[:48], batch_size=8, name="train",
-                                loop_forever=True, seed=3)
-    test = loopax.ArrayDataset(inputs[48:], labels[48:], batch_size=8, name="test",
-                               shuffle=False, drop_remainder=False)
+    train = loopax.ArrayDataset(
+        inputs[:48], labels[:48], batch_size=8, name="train", loop_forever=True, seed=3
+    )
+    test = loopax.ArrayDataset(
+        inputs[48:], labels[48:], batch_size=8, name="test", shuffle=False, drop_remainder=False
+    )
     return train, test
 
 
@@ -166,20 +176,26 @@ def main():
     train, test = make_datasets()
     trainer = make_trainer()
     loop = loopax.Loop(trainer)
-    checkpointer = hooks.checkpoint(loop, run_dir / "ckpt", every_n_steps=EVERY_CHECKPOINT,
-                                    keep=2)
+    checkpointer = hooks.checkpoint(loop, run_dir / "ckpt", every_n_steps=EVERY_CHECKPOINT, keep=2)
     print(f"resumed from step {checkpointer.restored_step}", flush=True)
     hooks.evaluate(loop, test, every_n_steps=EVERY_EVALUATION)
     tensorboard = hooks.tensorboard(loop, run_dir / "tb", every_n_steps=EVERY_TENSORBOARD)
     metrics_log = hooks.metrics_log(loop, run_dir / "log.csv", every_n_steps=EVERY_METRICS_LOG)
-    plotter = hooks.plot(loop, run_dir / "plot", render=False, start_step=PLOT_START,
-                         factor=PLOT_FACTOR)
+    plotter = hooks.plot(
+        loop, run_dir / "plot", render=False, start_step=PLOT_START, factor=PLOT_FACTOR
+    )
     if point == "at-step":
-        loop.on_step("kill", lambda lp, m: trainer.global_step == step and kill_self(),
-                     loopax.Priority.UI + 1)
+        loop.on_step(
+            "kill",
+            lambda lp, m: trainer.global_step == step and kill_self(),
+            loopax.Priority.UI + 1,
+        )
     elif point == "after-save-issued":
-        loop.on_step("kill", lambda lp, m: trainer.global_step == step + 1 and kill_self(),
-                     loopax.Priority.VALIDATE - 1)
+        loop.on_step(
+            "kill",
+            lambda lp, m: trainer.global_step == step + 1 and kill_self(),
+            loopax.Priority.VALIDATE - 1,
+        )
     elif point == "in-eval":
         patch_evaluation(test, trainer, step)
     elif point == "tensorboard-write":

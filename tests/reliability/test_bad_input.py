@@ -70,13 +70,17 @@ def test_a_dataset_yielding_pairs_in_a_run(checkpointed):
 def test_a_dataset_yielding_pairs_in_an_evaluation():
     trainer = make_trainer()
     loopax.Loop(trainer).run_steps(make_data(), 1)
-    with pytest.raises(ValueError, match=r"dataset 'pairs' yielded a tuple of 2 items.*"
-                                         r"\(spec, inputs, labels\).*\(None, inputs, labels\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"dataset 'pairs' yielded a tuple of 2 items.*"
+        r"\(spec, inputs, labels\).*\(None, inputs, labels\)",
+    ):
         trainer.evaluate(Pairs())
 
 
 def test_a_dataset_yielding_pairs_in_a_scheduled_evaluation_loses_no_checkpointed_work(
-        checkpointed):
+    checkpointed,
+):
     loop, directory, saved = checkpointed
     hooks.evaluate(loop, Pairs(), every_n_steps=1)
     with pytest.raises(loopax.HookError) as raised:
@@ -91,10 +95,14 @@ def test_a_model_function_returning_none():
     def forgot_return(ctx, spec, inputs):
         model_fn(ctx, spec, inputs)  # the `return` is missing
 
-    trainer = loopax.Trainer(forgot_return, loopax.losses.mean_squared_error, optax.sgd(0.1),
-                             devices=jax.devices()[:1])
-    with pytest.raises(TypeError, match=r"model 'forgot_return' returned None; it "
-                                        r"must return its predictions .*is a `return` missing\?"):
+    trainer = loopax.Trainer(
+        forgot_return, loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1]
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"model 'forgot_return' returned None; it "
+        r"must return its predictions .*is a `return` missing\?",
+    ):
         loopax.Loop(trainer).run_steps(make_data(), 1)
 
 
@@ -104,8 +112,11 @@ def test_a_loss_function_returning_a_tuple():
         return error.mean(), {"max_error": error.max()}
 
     trainer = new_trainer(loss_and_extras)
-    with pytest.raises(TypeError, match=r"loss function 'loss_and_extras' returned a tuple; it "
-                                        r"must return one array"):
+    with pytest.raises(
+        TypeError,
+        match=r"loss function 'loss_and_extras' returned a tuple; it "
+        r"must return one array",
+    ):
         loopax.Loop(trainer).run_steps(make_data(), 1)
 
 
@@ -126,8 +137,11 @@ def test_run_epochs_on_a_dataset_without_reset(checkpointed):
         def yield_batch(self):
             return make_data().yield_batch()
 
-    with pytest.raises(TypeError, match=r"run_epochs needs a dataset with reset\(\).*'no-reset' "
-                                        r"has none; add reset\(\), or use run_steps"):
+    with pytest.raises(
+        TypeError,
+        match=r"run_epochs needs a dataset with reset\(\).*'no-reset' "
+        r"has none; add reset\(\), or use run_steps",
+    ):
         loop.run_epochs(NoReset(), 2)
     assert_restores(directory, 4, saved)
 
@@ -159,7 +173,8 @@ def test_a_nan_in_the_data_after_a_checkpoint_keeps_the_checkpoint_before_it(tmp
 
 
 def test_one_infinite_loss_with_finite_gradients_stops_the_run_and_never_reaches_a_checkpoint(
-        tmp_path):
+    tmp_path,
+):
     def loss_with_flag(labels, predictions):
         # The flag adds an infinite constant: the loss is inf, its gradient stays finite.
         flagged = jax.lax.stop_gradient(jnp.where(jnp.any(labels[1] > 0), jnp.inf, 0.0))
@@ -169,8 +184,13 @@ def test_one_infinite_loss_with_finite_gradients_stops_the_run_and_never_reaches
     inputs = rng.normal(size=(48, 8)).astype(np.float32)
     flags = np.zeros((48, 1), np.float32)
     flags[3 * BATCH_SIZE] = 1.0  # one example of batch 3 (loop step 3, global step 4)
-    dataset = loopax.ArrayDataset(inputs, [inputs[:, :2].sum(1, keepdims=True), flags],
-                                  BATCH_SIZE, shuffle=False, loop_forever=True)
+    dataset = loopax.ArrayDataset(
+        inputs,
+        [inputs[:, :2].sum(1, keepdims=True), flags],
+        BATCH_SIZE,
+        shuffle=False,
+        loop_forever=True,
+    )
     trainer = new_trainer(loss_with_flag)
     loop = loopax.Loop(trainer)
     directory = tmp_path / "ckpt"
@@ -192,18 +212,24 @@ def test_an_eval_dataset_dropping_its_remainder_warns_with_the_counts():
     trainer = make_trainer()
     loopax.Loop(trainer).run_steps(make_data(), 1)
     dataset = make_data(20, name="test", loop_forever=False, drop_remainder=True)
-    with pytest.warns(RuntimeWarning, match=r"dataset 'test' drops its last 4 of 20 examples "
-                                            r"\(drop_remainder=True with batch_size 8\): this "
-                                            r"evaluation covers 16; build it with "
-                                            r"drop_remainder=False"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"dataset 'test' drops its last 4 of 20 examples "
+        r"\(drop_remainder=True with batch_size 8\): this "
+        r"evaluation covers 16; build it with "
+        r"drop_remainder=False",
+    ):
         trainer.evaluate(dataset)
 
 
 def test_a_checkpoint_directory_holding_other_files(tmp_path):
     (tmp_path / "notes.txt").write_text("my notes")
     (tmp_path / "results").mkdir()
-    with pytest.raises(ValueError, match=r"holds 'notes.txt', which is not part of a loopax "
-                                         r"checkpoint.*pass a new or empty directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 'notes.txt', which is not part of a loopax "
+        r"checkpoint.*pass a new or empty directory",
+    ):
         hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
     # Nothing of what was there is touched.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
@@ -219,19 +245,29 @@ def test_a_train_batch_not_divisible_by_the_device_count(checkpointed):
     assert trainer.global_step == 4
     data = make_data()
     # The data it was trained on (its position comes back from the checkpoint), in batches of 6.
-    dataset = loopax.ArrayDataset(data.inputs, data.labels, batch_size=6, name=data.name,
-                                  seed=data.seed, loop_forever=True)
-    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by the 4 devices; use a "
-                                         r"batch size that is a multiple of 4 or pass devices="):
+    dataset = loopax.ArrayDataset(
+        data.inputs, data.labels, batch_size=6, name=data.name, seed=data.seed, loop_forever=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"batch size 6 is not divisible by the 4 devices; use a "
+        r"batch size that is a multiple of 4 or pass devices=",
+    ):
         loop.run_steps(dataset, 2)
     assert_restores(directory, 4, saved)
 
 
-@pytest.mark.parametrize("optimizer, culprit", [
-    (optax.adam, "function"),  # the factory, not called
-    ("adam", "str"),
-])
+@pytest.mark.parametrize(
+    "optimizer, culprit",
+    [
+        (optax.adam, "function"),  # the factory, not called
+        ("adam", "str"),
+    ],
+)
 def test_a_trainer_with_an_optimizer_that_is_not_optax(optimizer, culprit):
-    with pytest.raises(TypeError, match=rf"optimizer must be an optax.GradientTransformation, got "
-                                        rf"{culprit}; e.g. optax.adam\(1e-3\)"):
+    with pytest.raises(
+        TypeError,
+        match=rf"optimizer must be an optax.GradientTransformation, got "
+        rf"{culprit}; e.g. optax.adam\(1e-3\)",
+    ):
         loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optimizer)

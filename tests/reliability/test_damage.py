@@ -41,8 +41,13 @@ def forge_nan_checkpoint(directory, states):
     bundle["checksums"] = checksums(state)
     handlers = {"state": ocp.StandardCheckpointHandler(), "loopax": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
-        manager.save(4, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)), force=True)
+        manager.save(
+            4,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)
+            ),
+            force=True,
+        )
         manager.wait_until_finished()
 
 
@@ -112,8 +117,11 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
     messages = [str(w.message) for w in caught if "is damaged" in str(w.message)]
     assert len(messages) == 1, [str(w.message) for w in caught]
     # It names the checkpoint, why, and where it went.
-    assert re.search(rf"checkpoint '{re.escape(str(directory / '4'))}' is damaged \(.*{why}",
-                     messages[0], re.DOTALL), messages[0]
+    assert re.search(
+        rf"checkpoint '{re.escape(str(directory / '4'))}' is damaged \(.*{why}",
+        messages[0],
+        re.DOTALL,
+    ), messages[0]
     assert f"moved to '{directory / 'damaged' / '4'}'" in messages[0]
     # Never deleted: moved aside as it was.
     assert files_under(directory / "damaged" / "4") == damaged_files
@@ -142,8 +150,11 @@ def test_when_every_checkpoint_is_damaged_the_hook_refuses_to_start_over(tmp_pat
 
     for attempt in range(2):  # set aside at the first attach: the second one refuses too
         trainer = make_trainer()
-        with pytest.warns(RuntimeWarning, match="is damaged") if attempt == 0 \
-                else contextlib.nullcontext():
+        with (
+            pytest.warns(RuntimeWarning, match="is damaged")
+            if attempt == 0
+            else contextlib.nullcontext()
+        ):
             with pytest.raises(hooks.NoGoodCheckpointError) as raised:
                 hooks.checkpoint(loopax.Loop(trainer), directory)
         message = str(raised.value)

@@ -37,7 +37,10 @@ SCENARIOS = {
     "inside the commit of a periodic save": (["in-commit:15"], {10}, {"10", f"15{TMP}"}),
     "right after the commit of a periodic save": (["after-commit:10"], {10}, {"10"}),
     "between a commit and the deletion of an old checkpoint": (
-        ["before-delete:10"], {20}, {"10", "15", "20"}),
+        ["before-delete:10"],
+        {20},
+        {"10", "15", "20"},
+    ),
     "during an evaluation": (["in-eval:12"], {5, 10}, set()),
     "after a TensorBoard write, before any flush": (["tensorboard-write:9"], {None, 5}, set()),
     "after a metrics_log write, before its checkpoint": (["metrics-log-write:14"], {5, 10}, set()),
@@ -49,16 +52,23 @@ SCENARIOS = {
     "right after the commit of the end-of-run save": (["after-commit:32"], {32}, {"30", "32"}),
     "after the run, before the program wrote its results": (["after-run:32"], {32}, {"30", "32"}),
     "twice, inside a commit then during an evaluation": (
-        ["in-commit:20", "in-eval:24"], {15, 20}, set()),
+        ["in-commit:20", "in-eval:24"],
+        {15, 20},
+        set(),
+    ),
 }
 REFERENCE = "uninterrupted"
 MOVING_AVERAGES = ("train/moving_average_loss", "train/Moving Average Accuracy")
 
 
 def worker_env(cache):
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu",
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PLATFORMS="cpu",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def run_sequence(run_dir, kills, env):
@@ -69,16 +79,19 @@ def run_sequence(run_dir, kills, env):
         command = [sys.executable, str(WORKER), str(run_dir), str(TARGET)]
         if kill is not None:
             command += ["--kill", kill]
-        done = subprocess.run(command, capture_output=True, text=True, env=env,
-                              timeout=RUN_TIMEOUT_SECONDS)
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_SECONDS
+        )
         checkpoints = run_dir / "ckpt"
-        runs.append({
-            "kill": kill,
-            "returncode": done.returncode,
-            "stdout": done.stdout,
-            "stderr": done.stderr[-20000:],
-            "checkpoints": sorted(os.listdir(checkpoints)) if checkpoints.is_dir() else [],
-        })
+        runs.append(
+            {
+                "kill": kill,
+                "returncode": done.returncode,
+                "stdout": done.stdout,
+                "stderr": done.stderr[-20000:],
+                "checkpoints": sorted(os.listdir(checkpoints)) if checkpoints.is_dir() else [],
+            }
+        )
         if kill is not None and done.returncode != -signal.SIGKILL:
             break  # the kill did not come: what follows would test nothing
     return runs
@@ -88,10 +101,14 @@ def run_matrix(root):
     env = worker_env(root / "jax-cache")
     jobs = {REFERENCE: []} | {name: kills for name, (kills, _, _) in SCENARIOS.items()}
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT_PROCESSES) as pool:
-        futures = {name: pool.submit(run_sequence, root / f"run{index}", kills, env)
-                   for index, (name, kills) in enumerate(jobs.items())}
-    return {name: {"run_dir": str(root / f"run{index}"), "runs": futures[name].result()}
-            for index, name in enumerate(jobs)}
+        futures = {
+            name: pool.submit(run_sequence, root / f"run{index}", kills, env)
+            for index, (name, kills) in enumerate(jobs.items())
+        }
+    return {
+        name: {"run_dir": str(root / f"run{index}"), "runs": futures[name].result()}
+        for index, name in enumerate(jobs)
+    }
 
 
 @pytest.fixture(scope="session")
@@ -122,8 +139,10 @@ def tensorboard_scalars(run_dir):
     `SessionLog.START` (written by loopax on resume) says were superseded."""
     accumulator = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def metrics_log_points(run_dir):
@@ -163,9 +182,11 @@ def resumed_from(run):
 
 
 def describe(runs):
-    return "\n".join(f"--kill {run['kill']}: returncode {run['returncode']}, checkpoints "
-                     f"{run['checkpoints']}\n{run['stdout']}{run['stderr'][-1500:]}"
-                     for run in runs)
+    return "\n".join(
+        f"--kill {run['kill']}: returncode {run['returncode']}, checkpoints "
+        f"{run['checkpoints']}\n{run['stdout']}{run['stderr'][-1500:]}"
+        for run in runs
+    )
 
 
 @pytest.fixture(scope="session")

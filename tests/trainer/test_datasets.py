@@ -75,8 +75,9 @@ def test_shuffled_epoch_visits_every_example_once_and_labels_stay_aligned():
 
 def test_shuffle_is_deterministic_from_seed_and_differs_per_epoch():
     def two_epochs(seed):
-        dataset = loopax.ArrayDataset(rows(16), np.zeros(16), batch_size=4, seed=seed,
-                                      loop_forever=True)
+        dataset = loopax.ArrayDataset(
+            rows(16), np.zeros(16), batch_size=4, seed=seed, loop_forever=True
+        )
         return [row_ids(inputs) for _, inputs, _ in take(dataset, 8)]
 
     first = two_epochs(seed=1)
@@ -122,14 +123,16 @@ def test_loop_forever_never_ends():
 
 @pytest.mark.parametrize("drop_remainder, sizes", [(True, [4, 4]), (False, [4, 4, 2])])
 def test_drop_remainder(drop_remainder, sizes):
-    dataset = loopax.ArrayDataset(rows(10), np.zeros(10), batch_size=4, shuffle=False,
-                                  drop_remainder=drop_remainder)
+    dataset = loopax.ArrayDataset(
+        rows(10), np.zeros(10), batch_size=4, shuffle=False, drop_remainder=drop_remainder
+    )
     assert [len(batch) for batch in epoch_of(dataset)] == sizes
 
 
 def test_drop_remainder_false_with_loop_forever_keeps_the_short_batch():
-    dataset = loopax.ArrayDataset(rows(5), np.zeros(5), batch_size=2, shuffle=False,
-                                  drop_remainder=False, loop_forever=True)
+    dataset = loopax.ArrayDataset(
+        rows(5), np.zeros(5), batch_size=2, shuffle=False, drop_remainder=False, loop_forever=True
+    )
     assert [len(row_ids(inputs)) for _, inputs, _ in take(dataset, 6)] == [2, 2, 1, 2, 2, 1]
 
 
@@ -157,8 +160,9 @@ def test_empty_labels(labels):
 def test_jax_arrays_are_accepted():
     import jax.numpy as jnp
 
-    dataset = loopax.ArrayDataset(jnp.arange(8.0).reshape(4, 2), jnp.zeros(4), batch_size=2,
-                                  shuffle=False)
+    dataset = loopax.ArrayDataset(
+        jnp.arange(8.0).reshape(4, 2), jnp.zeros(4), batch_size=2, shuffle=False
+    )
     _, inputs, _ = dataset.yield_batch()
     np.testing.assert_array_equal(np.asarray(inputs[0]), [[0.0, 1.0], [2.0, 3.0]])
 
@@ -183,8 +187,7 @@ def test_batch_larger_than_data_is_allowed_without_drop_remainder():
 
 def test_get_state_set_state_continues_exactly():
     def make():
-        return loopax.ArrayDataset(rows(10), np.arange(10), batch_size=3, seed=7,
-                                   loop_forever=True)
+        return loopax.ArrayDataset(rows(10), np.arange(10), batch_size=3, seed=7, loop_forever=True)
 
     uninterrupted = make()
     take(uninterrupted, 5)  # into the second epoch
@@ -235,9 +238,15 @@ def test_resume_property(num_examples, batch_size, consumed, drop_remainder, shu
         return
 
     def make():
-        return loopax.ArrayDataset(rows(num_examples), np.arange(num_examples),
-                                   batch_size=batch_size, seed=11, shuffle=shuffle,
-                                   drop_remainder=drop_remainder, loop_forever=True)
+        return loopax.ArrayDataset(
+            rows(num_examples),
+            np.arange(num_examples),
+            batch_size=batch_size,
+            seed=11,
+            shuffle=shuffle,
+            drop_remainder=drop_remainder,
+            loop_forever=True,
+        )
 
     uninterrupted = make()
     take(uninterrupted, consumed)

@@ -28,8 +28,7 @@ NUM_CLASSES = 3
 FEATURES = 5
 # (examples, batch size): last batches of 1, 2, 3, 5 and 7 examples, a batch smaller than
 # the 4 devices, a batch size 4 does not divide, and the issue's 360 examples in 64s.
-CASES = [(17, 16), (18, 16), (19, 16), (21, 16), (23, 16), (10, 3), (12, 6), (360, 64),
-         (362, 64)]
+CASES = [(17, 16), (18, 16), (19, 16), (21, 16), (23, 16), (10, 3), (12, 6), (360, 64), (362, 64)]
 RUNS = ["one device", "shard_map", "pmap"]
 
 pytestmark = pytest.mark.skipif(
@@ -83,9 +82,12 @@ def make_trainer(run):
     devices = ONE_DEVICE if run == "one device" else FOUR_DEVICES
     parallel = "pmap" if run == "pmap" else "shard_map"
     return loopax.Trainer(
-        model_fn, loopax.losses.sparse_categorical_crossentropy_logits, optax.sgd(0.1),
+        model_fn,
+        loopax.losses.sparse_categorical_crossentropy_logits,
+        optax.sgd(0.1),
         eval_metrics=[metrics.SparseCategoricalAccuracy(), MeanAbsoluteLogit(), ExampleCount()],
-        devices=devices, parallel=parallel,
+        devices=devices,
+        parallel=parallel,
     )
 
 
@@ -105,7 +107,7 @@ def classification_data(num_examples, seed=0):
 def numpy_results(trainer, x, y):
     """The eval results over every example of (x, y), computed on the host."""
     params = jax.device_get(trainer.params)["Dense_0"]
-    logits = (x.astype(np.float64) @ params["kernel"] + params["bias"])
+    logits = x.astype(np.float64) @ params["kernel"] + params["bias"]
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     return {
@@ -124,8 +126,9 @@ def host(values):
 def assert_results_close(got, want):
     assert list(got) == ["mean_loss", "Accuracy", "mean_abs_logit", "examples"]
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{name}: {got} vs {want}")
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {got} vs {want}"
+        )
 
 
 @pytest.mark.parametrize("num_examples,batch_size", CASES)
@@ -176,10 +179,16 @@ def test_a_user_metric_that_is_not_a_sum_is_exact():
     x[10] *= 50.0
     results = {}
     for devices in (ONE_DEVICE, FOUR_DEVICES):
-        trainer = loopax.Trainer(model_fn, loopax.losses.sparse_categorical_crossentropy_logits,
-                                 optax.sgd(0.1), eval_metrics=[LargestLogit()], devices=devices)
+        trainer = loopax.Trainer(
+            model_fn,
+            loopax.losses.sparse_categorical_crossentropy_logits,
+            optax.sgd(0.1),
+            eval_metrics=[LargestLogit()],
+            devices=devices,
+        )
         results[len(devices)] = trainer.evaluate(
-            loopax.ArrayDataset(x, y, 6, shuffle=False, drop_remainder=False))
+            loopax.ArrayDataset(x, y, 6, shuffle=False, drop_remainder=False)
+        )
         params = jax.device_get(trainer.params)["Dense_0"]
         expected = np.max(x @ params["kernel"] + params["bias"])
         np.testing.assert_allclose(results[len(devices)]["largest_logit"], expected, rtol=1e-5)
@@ -207,12 +216,17 @@ def test_a_second_evaluation_compiles_nothing(run):
     compiled = []
     trainer.on_exec_creation(lambda info: compiled.append((info.graph_type, info.input_shapes)))
     x, y = classification_data(30)
-    datasets = [loopax.ArrayDataset(x, y, 8, drop_remainder=False),  # 8, 8, 8, 6
-                loopax.ArrayDataset(x[:3], y[:3], 8, drop_remainder=False)]  # 3
+    datasets = [
+        loopax.ArrayDataset(x, y, 8, drop_remainder=False),  # 8, 8, 8, 6
+        loopax.ArrayDataset(x[:3], y[:3], 8, drop_remainder=False),
+    ]  # 3
     first = [trainer.evaluate(dataset) for dataset in datasets]
     # One executable per batch shape, as on one device: the uneven ones are one step each.
-    assert compiled == [("eval", ((8, FEATURES),)), ("eval", ((6, FEATURES),)),
-                        ("eval", ((3, FEATURES),))]
+    assert compiled == [
+        ("eval", ((8, FEATURES),)),
+        ("eval", ((6, FEATURES),)),
+        ("eval", ((3, FEATURES),)),
+    ]
     assert len(trainer.executors()) == 3
     compiled.clear()
     second = [trainer.evaluate(dataset) for dataset in datasets]
@@ -228,11 +242,15 @@ def test_an_uneven_batch_updates_the_metrics_once_like_one_batch():
     results = []
     for devices in (ONE_DEVICE, FOUR_DEVICES):
         trainer = loopax.Trainer(
-            model_fn, loopax.losses.sparse_categorical_crossentropy_logits, optax.sgd(0.1),
+            model_fn,
+            loopax.losses.sparse_categorical_crossentropy_logits,
+            optax.sgd(0.1),
             eval_metrics=[metrics.MovingAverageSparseCategoricalAccuracy(new_example_weight=0.5)],
-            devices=devices)
-        results.append(trainer.evaluate(
-            loopax.ArrayDataset(x, y, 7, shuffle=False, drop_remainder=False)))  # 7, 7, 7, 2
+            devices=devices,
+        )
+        results.append(
+            trainer.evaluate(loopax.ArrayDataset(x, y, 7, shuffle=False, drop_remainder=False))
+        )  # 7, 7, 7, 2
     np.testing.assert_allclose(list(results[1].values()), list(results[0].values()), rtol=1e-5)
 
 
@@ -281,8 +299,11 @@ def test_no_warning_when_nothing_is_dropped(trainers):
 def test_a_train_batch_must_still_divide_by_the_devices():
     trainer = make_trainer("shard_map")
     x, y = classification_data(6)
-    with pytest.raises(ValueError, match="batch size 6 is not divisible by the 4 devices; use a "
-                                         "batch size that is a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="batch size 6 is not divisible by the 4 devices; use a "
+        "batch size that is a multiple of 4",
+    ):
         trainer.train_step(None, [x], [y])
     results = trainer.evaluate(loopax.ArrayDataset(x, y, 6, drop_remainder=False))
     assert results["examples"] == 6
@@ -341,9 +362,12 @@ def _run_workers(tmp_path, num_processes, local_examples):
     worker.write_text(WORKER)
     port = str(_free_port())
     processes = [
-        subprocess.Popen([sys.executable, str(worker), port, str(num_processes), str(index),
-                          str(examples)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+        subprocess.Popen(
+            [sys.executable, str(worker), port, str(num_processes), str(index), str(examples)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for index, examples in enumerate(local_examples)
     ]
     results = []
@@ -351,7 +375,7 @@ def _run_workers(tmp_path, num_processes, local_examples):
         out, _ = process.communicate(timeout=240)
         assert process.returncode == 0, out
         (line,) = [line for line in out.splitlines() if line.startswith("RESULTS ")]
-        results.append(json.loads(line[len("RESULTS "):]))
+        results.append(json.loads(line[len("RESULTS ") :]))
     return results
 
 

@@ -30,8 +30,9 @@ class CountingTrainer:
     """A trainer plus the ExecInfo of every compilation it reports."""
 
     def __init__(self, **kwargs):
-        self.trainer = loopax.Trainer(dense_model, squared_error, optax.sgd(0.01),
-                                      devices=ONE_DEVICE, **kwargs)
+        self.trainer = loopax.Trainer(
+            dense_model, squared_error, optax.sgd(0.01), devices=ONE_DEVICE, **kwargs
+        )
         self.compiled = []
         self.trainer.on_exec_creation(self.compiled.append)
 

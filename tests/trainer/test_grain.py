@@ -36,8 +36,12 @@ def model_fn(ctx, spec, inputs):
 
 
 def make_trainer(devices):
-    return loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optax.adam(0.01),
-                          devices=jax.devices()[:devices])
+    return loopax.Trainer(
+        model_fn,
+        loopax.losses.mean_squared_error,
+        optax.adam(0.01),
+        devices=jax.devices()[:devices],
+    )
 
 
 def records():
@@ -65,7 +69,8 @@ def make_source(kind):
         return map_dataset(3)
     if kind == "iter":  # a small read-ahead: two CPU cores run the suite
         return map_dataset(3).to_iter_dataset(
-            grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+            grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        )
     assert kind == "loader"
     return grain.DataLoader(
         data_source=records(),
@@ -134,11 +139,20 @@ def trainer(fresh_trainer):
 # -- exact resume -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, devices", [
-    ("map", 1), ("map", 4), ("iter", 1), ("iter", 4), ("loader", 1), ("loader", 4),
-])
+@pytest.mark.parametrize(
+    "kind, devices",
+    [
+        ("map", 1),
+        ("map", 4),
+        ("iter", 1),
+        ("iter", 4),
+        ("loader", 1),
+        ("loader", 4),
+    ],
+)
 def test_grain_resume_sees_exactly_the_batches_an_uninterrupted_run_sees(
-        tmp_path, fresh_trainer, kind, devices):
+    tmp_path, fresh_trainer, kind, devices
+):
     trainer = fresh_trainer(devices)
     want = record_batches(trainer)
     loopax.Loop(trainer).run_to_step(make_source(kind), 10)
@@ -230,8 +244,9 @@ def test_evaluate_takes_grain_dict_batches_and_a_name_from_iterable_dataset(trai
         [{"inputs": inputs[i], "labels": targets[i]} for i in range(EXAMPLES)]
     ).batch(20)  # 20, 20, 8: uneven batches count every example once
     as_arrays = loopax.ArrayDataset(inputs, targets, 16, name="arrays", shuffle=False)
-    np.testing.assert_allclose(trainer.evaluate(as_dicts)["mean_loss"],
-                               trainer.evaluate(as_arrays)["mean_loss"], rtol=1e-6)
+    np.testing.assert_allclose(
+        trainer.evaluate(as_dicts)["mean_loss"], trainer.evaluate(as_arrays)["mean_loss"], rtol=1e-6
+    )
     loop = loopax.Loop(trainer)
     test = loopax.IterableDataset(as_dicts, name="test")
     evaluation = loop.evaluate(test)
@@ -240,8 +255,11 @@ def test_evaluate_takes_grain_dict_batches_and_a_name_from_iterable_dataset(trai
 
 
 def test_evaluating_an_endless_grain_dataset_says_so(trainer):
-    with pytest.raises(ValueError, match=r"'eval' \(RepeatMapDataset\) repeats forever.*"
-                                         r"without \.repeat\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'eval' \(RepeatMapDataset\) repeats forever.*"
+        r"without \.repeat\(\)",
+    ):
         trainer.evaluate(map_dataset(epochs=None))
     with pytest.raises(ValueError, match="repeats forever"):
         loopax.Loop(trainer).run_epochs(map_dataset(epochs=None), 1)
@@ -261,24 +279,36 @@ def worker_command(directory, target, out, *flags):
 
 def worker_env(tmp_path):
     # The runs compile the same step: share it through JAX's disk cache.
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(tmp_path):
     env = worker_env(tmp_path)
     reference = subprocess.Popen(  # in parallel with the killed run
         worker_command(tmp_path / "reference", 14, tmp_path / "ref.npz"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     directory, out = tmp_path / "killed", tmp_path / "out.npz"
-    killed = subprocess.run(worker_command(directory, 14, out, "--kill-after-save", "8"),
-                            capture_output=True, text=True, timeout=120, env=env)
+    killed = subprocess.run(
+        worker_command(directory, 14, out, "--kill-after-save", "8"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "resumed from step None" in killed.stdout
-    finished = subprocess.run(worker_command(directory, 14, out),
-                              capture_output=True, text=True, timeout=120, env=env)
+    finished = subprocess.run(
+        worker_command(directory, 14, out), capture_output=True, text=True, timeout=120, env=env
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "resumed from step 8" in finished.stdout  # saved every 4 steps: 4, 8
     _, errors = reference.communicate(timeout=120)
@@ -301,10 +331,12 @@ def worker_main():
     checkpointer = hooks.checkpoint(loop, args.directory, every_n_steps=4)
     print(f"resumed from step {checkpointer.restored_step}", flush=True)
     if args.kill_after_save is not None:
+
         def kill_after_save(loop, metrics):
             if trainer.global_step == args.kill_after_save + 1:
                 checkpointer.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
+
         loop.on_step("kill", kill_after_save, loopax.Priority.VALIDATE)
     loop.run_to_step(make_source("loader"), args.target)
     checkpointer.wait()

@@ -43,7 +43,9 @@ def test_state_round_trips_through_json_with_non_finite_values():
 def test_a_missing_key_names_the_recorded_ones():
     history = History()
     history.record(1, {"train/loss": 1.0})
-    with pytest.raises(KeyError, match=r"no metric 'val_loss'.*\['train/loss'\].*'eval/<dataset>/<metric>'"):
+    with pytest.raises(
+        KeyError, match=r"no metric 'val_loss'.*\['train/loss'\].*'eval/<dataset>/<metric>'"
+    ):
         history["val_loss"]
 
 
@@ -54,7 +56,9 @@ def test_to_pandas_has_a_row_per_step_and_a_column_per_key():
     history.record(2, {"train/loss": 0.5, "eval/test/mean_loss": 0.7})
     frame = history.to_pandas()
     assert list(frame.index) == [1, 2] and frame.index.name == "step"
-    assert frame.loc[2, "eval/test/mean_loss"] == 0.7 and pandas.isna(frame.loc[1, "eval/test/mean_loss"])
+    assert frame.loc[2, "eval/test/mean_loss"] == 0.7 and pandas.isna(
+        frame.loc[1, "eval/test/mean_loss"]
+    )
 
 
 def test_an_evaluation_keys_its_values_by_dataset():

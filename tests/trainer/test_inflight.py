@@ -14,7 +14,7 @@ class FakeOutput:
         self.index = index
         self.waits = waits
 
-    def block_until_ready(self) -> "FakeOutput":
+    def block_until_ready(self) -> FakeOutput:
         self.waits.append(self.index)
         return self
 

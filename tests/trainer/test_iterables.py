@@ -32,8 +32,9 @@ def batches(count, start=0):
 
 @pytest.fixture(scope="module")
 def compiled_trainer():
-    trainer = loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optax.sgd(0.01),
-                             devices=jax.devices()[:1])
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.sgd(0.01), devices=jax.devices()[:1]
+    )
     initial = []
     trainer.add_state_initializer(lambda state: initial.append(jax.device_get(state)) or state)
     loopax.Loop(trainer).run_steps(batches(1), 1)
@@ -153,9 +154,12 @@ def test_a_generator_trains_with_run_steps_but_not_run_epochs(trainer, seen):
     loop.run_steps(generator, 2)
     loop.run_steps(generator, 2)
     assert seen == [0, 1, 2, 3]
-    with pytest.raises(TypeError, match=r"run_epochs reads its dataset from the start, and "
-                                        r"dataset 'train' is an iterator \(generator\) that can "
-                                        r"be read only once.*or use run_steps"):
+    with pytest.raises(
+        TypeError,
+        match=r"run_epochs reads its dataset from the start, and "
+        r"dataset 'train' is an iterator \(generator\) that can "
+        r"be read only once.*or use run_steps",
+    ):
         loop.run_epochs((batch for batch in batches(5)), 1)
 
 
@@ -170,8 +174,9 @@ def test_a_generator_function_in_iterable_dataset_runs_epochs(trainer, seen):
 def test_elements_may_be_dicts_and_carry_a_spec(trainer):
     x, y = batches(1)[0]
     loop = loopax.Loop(trainer)
-    loop.run_steps([{"inputs": x, "labels": y}, {"inputs": [x], "labels": [y], "spec": None},
-                    (None, x, y)], 3)
+    loop.run_steps(
+        [{"inputs": x, "labels": y}, {"inputs": [x], "labels": [y], "spec": None}, (None, x, y)], 3
+    )
     assert trainer.global_step == 3
     dataset = loopax.IterableDataset([{"inputs": (x, x)}, ("long", [x], [])], name="forms")
     spec, inputs, labels = dataset.yield_batch()
@@ -218,9 +223,12 @@ def test_evaluating_the_iterable_dataset_a_run_trains_on_leaves_its_position(tra
 
 
 def test_evaluate_refuses_an_iterator_saying_what_to_pass(trainer):
-    with pytest.raises(TypeError, match=r"evaluate reads its dataset from the start, and dataset "
-                                        r"'eval' is an iterator \(generator\).*a list, a grain "
-                                        r"MapDataset, IterDataset or DataLoader"):
+    with pytest.raises(
+        TypeError,
+        match=r"evaluate reads its dataset from the start, and dataset "
+        r"'eval' is an iterator \(generator\).*a list, a grain "
+        r"MapDataset, IterDataset or DataLoader",
+    ):
         trainer.evaluate(batch for batch in batches(2))
 
 
@@ -232,8 +240,11 @@ def test_scheduled_evaluation_of_a_named_iterable(trainer):
 
 
 def test_loop_evaluate_asks_for_a_name_for_an_unnamed_iterable(trainer):
-    with pytest.raises(ValueError, match=r"needs a non-empty str `name`.*"
-                                         r"loopax\.IterableDataset\(batches, name='test'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a non-empty str `name`.*"
+        r"loopax\.IterableDataset\(batches, name='test'\)",
+    ):
         loopax.Loop(trainer).evaluate(batches(2))
 
 
@@ -255,15 +266,19 @@ def test_an_iterator_with_get_state_resumes_exactly(trainer, seen, tmp_path, as_
 
 
 def test_an_iterator_without_get_state_resumes_from_where_it_is_with_a_warning(
-        trainer, seen, tmp_path):
+    trainer, seen, tmp_path
+):
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=100)
     loop.run_to_step(batches(6), 3)
     checkpointer.wait()
     loop = loopax.Loop(trainer)
     hooks.checkpoint(loop, tmp_path)
-    with pytest.warns(RuntimeWarning, match=r"dataset 'train' has no saved position: its "
-                                            r"iterator \(list_iterator\) has no get_state"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"dataset 'train' has no saved position: its "
+        r"iterator \(list_iterator\) has no get_state",
+    ):
         loop.run_to_step(batches(6), 5)
     assert seen == [0, 1, 2, 0, 1]
 
@@ -277,12 +292,18 @@ def test_iterable_dataset_states():
     dataset.set_state(state)
     assert int(dataset.yield_batch()[1][0][0, 0]) == 1
 
-    with pytest.raises(ValueError, match=r"'counted' got the state \{'position': 1\}, which no "
-                                         r"IterableDataset.get_state\(\) returned"):
+    with pytest.raises(
+        ValueError,
+        match=r"'counted' got the state \{'position': 1\}, which no "
+        r"IterableDataset.get_state\(\) returned",
+    ):
         dataset.set_state({"position": 1})
     listed = loopax.IterableDataset(batches(2), name="listed")
-    with pytest.raises(ValueError, match=r"'listed' was saved with its iterator's position, but "
-                                         r"its iterator now \(list_iterator\) has no set_state"):
+    with pytest.raises(
+        ValueError,
+        match=r"'listed' was saved with its iterator's position, but "
+        r"its iterator now \(list_iterator\) has no set_state",
+    ):
         listed.set_state({"iterator": {"position": 1}})
 
     class NumpyState(Counter):
@@ -294,63 +315,89 @@ def test_iterable_dataset_states():
             return NumpyState()
 
     odd = loopax.IterableDataset(NumpyCounting(), name="odd")
-    with pytest.raises(TypeError, match=r"dataset 'odd': its iterator's get_state\(\) returned "
-                                        r"a dict that is not JSON"):
+    with pytest.raises(
+        TypeError,
+        match=r"dataset 'odd': its iterator's get_state\(\) returned "
+        r"a dict that is not JSON",
+    ):
         odd.get_state()
 
 
 # -- messages ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("element, what", [
-    (np.ones((4, 3), np.float32), "an element of type ndarray"),
-    ((1, 2, 3, 4), "a tuple of 4 items"),
-    ({"inputs": 1, "weights": 2}, "a dict with keys ['inputs', 'weights']"),
-    ({"labels": 1}, "a dict with keys ['labels']"),
-])
+@pytest.mark.parametrize(
+    "element, what",
+    [
+        (np.ones((4, 3), np.float32), "an element of type ndarray"),
+        ((1, 2, 3, 4), "a tuple of 4 items"),
+        ({"inputs": 1, "weights": 2}, "a dict with keys ['inputs', 'weights']"),
+        ({"labels": 1}, "a dict with keys ['labels']"),
+    ],
+)
 def test_an_element_that_is_not_a_batch_names_the_dataset_and_the_forms(trainer, element, what):
     # Like any error a dataset raises: the run stops naming it and the step.
     with pytest.raises(RuntimeError) as raised:
         loopax.Loop(trainer).run_steps([element], 1)
     message = str(raised.value)
-    assert f"dataset 'train' failed at step 0: ValueError: dataset 'train' yielded {what}" in message
+    assert (
+        f"dataset 'train' failed at step 0: ValueError: dataset 'train' yielded {what}" in message
+    )
     assert "(inputs, labels), (spec, inputs, labels) or a dict {'inputs': ..." in message
     assert isinstance(raised.value.__cause__, ValueError)
-    with pytest.raises(RuntimeError, match=r"dataset 'eval' failed during evaluation: "
-                                           r"ValueError: dataset 'eval' yielded"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"dataset 'eval' failed during evaluation: "
+        r"ValueError: dataset 'eval' yielded",
+    ):
         trainer.evaluate([element])
 
 
 def test_an_array_spec_says_how_to_pass_several_inputs():
     x, y = batches(1)[0]
     dataset = loopax.IterableDataset([(x, x, y)], name="three")
-    with pytest.raises(ValueError, match=r"'three' yielded a spec that is an array of shape "
-                                         r"\(4, 3\).*\(\(input1, input2\), labels\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'three' yielded a spec that is an array of shape "
+        r"\(4, 3\).*\(\(input1, input2\), labels\)",
+    ):
         dataset.yield_batch()
 
 
-@pytest.mark.parametrize("data, hint", [
-    (5, "got int$"),
-    (np.ones((8, 3)), "got ndarray; for in-memory arrays use loopax.ArrayDataset"),
-    ({"inputs": np.ones((4, 3))}, r"got dict; for a single batch pass \[batch\]"),
-    (lambda: iter(batches(1)), r"got function; pass what it returns"),
-    ("abc", "got str$"),
-])
+@pytest.mark.parametrize(
+    "data, hint",
+    [
+        (5, "got int$"),
+        (np.ones((8, 3)), "got ndarray; for in-memory arrays use loopax.ArrayDataset"),
+        ({"inputs": np.ones((4, 3))}, r"got dict; for a single batch pass \[batch\]"),
+        (lambda: iter(batches(1)), r"got function; pass what it returns"),
+        ("abc", "got str$"),
+    ],
+)
 def test_what_is_neither_a_dataset_nor_an_iterable_of_batches(trainer, data, hint):
     loop = loopax.Loop(trainer)
     for run in (loop.run_steps, loop.run_epochs, lambda data, _: trainer.evaluate(data)):
-        with pytest.raises(TypeError, match=r"expected a loopax Dataset \(with yield_batch\(\) "
-                                            rf"and reset\(\)\) or an iterable of batches.*{hint}"):
+        with pytest.raises(
+            TypeError,
+            match=r"expected a loopax Dataset \(with yield_batch\(\) "
+            rf"and reset\(\)\) or an iterable of batches.*{hint}",
+        ):
             run(data, 1)
     assert trainer.global_step == 0
 
 
 def test_iterable_dataset_refuses_an_iterator_and_what_is_not_iterable():
-    with pytest.raises(TypeError, match=r"'once' got an iterator \(generator\), which can be "
-                                        r"read only once.*`lambda: make_batches\(\)`"):
+    with pytest.raises(
+        TypeError,
+        match=r"'once' got an iterator \(generator\), which can be "
+        r"read only once.*`lambda: make_batches\(\)`",
+    ):
         loopax.IterableDataset((batch for batch in batches(1)), name="once")
-    with pytest.raises(TypeError, match="needs an iterable of batches or a zero-argument "
-                                        "callable returning an iterator, got int"):
+    with pytest.raises(
+        TypeError,
+        match="needs an iterable of batches or a zero-argument "
+        "callable returning an iterator, got int",
+    ):
         loopax.IterableDataset(3, name="three")
 
 

@@ -23,8 +23,11 @@ def loss_fn(labels, predictions):
 def make_dataset(batches, *, loop_forever=True, label=1.0, name="train"):
     size = batches * BATCH_SIZE
     return loopax.ArrayDataset(
-        np.ones((size, 3), np.float32), np.full((size, 1), label, np.float32),
-        batch_size=BATCH_SIZE, loop_forever=loop_forever, name=name,
+        np.ones((size, 3), np.float32),
+        np.full((size, 1), label, np.float32),
+        batch_size=BATCH_SIZE,
+        loop_forever=loop_forever,
+        name=name,
     )
 
 
@@ -80,6 +83,7 @@ class Recorder:
     def hook(self, phase, name="record"):
         def record(loop, argument):
             self.calls.append((phase, name, loop.loop_step, loop.end_step, loop.epoch))
+
         return record
 
     def attach_all(self):
@@ -127,8 +131,9 @@ def test_run_steps_hook_order_and_steps(loop):
 
 def test_global_step_inside_on_step_is_loop_step_plus_one(loop):
     seen = []
-    loop.on_step("global", lambda loop, metrics: seen.append(
-        (loop.loop_step, loop.trainer.global_step)))
+    loop.on_step(
+        "global", lambda loop, metrics: seen.append((loop.loop_step, loop.trainer.global_step))
+    )
     loop.run_steps(make_dataset(1), 3)
     assert seen == [(0, 1), (1, 2), (2, 3)]
 
@@ -156,8 +161,12 @@ def test_a_new_loop_starts_at_the_trainer_global_step(loop):
 
 def test_run_steps_resets_train_metrics_at_its_start(loop):
     first_metrics = []
-    loop.on_step("first", lambda loop, metrics: first_metrics.append(metrics)
-                 if loop.loop_step == loop.start_step else None)
+    loop.on_step(
+        "first",
+        lambda loop, metrics: (
+            first_metrics.append(metrics) if loop.loop_step == loop.start_step else None
+        ),
+    )
     loop.run_steps(make_dataset(1), 3)
     loop.run_steps(make_dataset(1, label=50.0), 2)  # another loss: a carried average would lag
     values = jax.device_get(first_metrics[-1])
@@ -234,8 +243,11 @@ def test_run_epochs_resets_after_each_epoch_not_before_the_first(loop):
     assert resets_seen == [("OnStart", 0), (0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
     assert dataset.resets == 2  # the last epoch is followed by a reset too
     assert dataset.batches == 6
-    steps = [(step, end_step, epoch) for phase, _, step, end_step, epoch in recorder.calls
-             if phase == "OnStep"]
+    steps = [
+        (step, end_step, epoch)
+        for phase, _, step, end_step, epoch in recorder.calls
+        if phase == "OnStep"
+    ]
     # end_step is unknown (-1) in the first epoch, then loop_step + batches * epochs left.
     assert steps == [(0, -1, 0), (1, -1, 0), (2, -1, 0), (3, 6, 1), (4, 6, 1), (5, 6, 1)]
     assert recorder.calls[0] == ("OnStart", "record", 0, -1, 0)
@@ -296,8 +308,9 @@ def test_run_epochs_rejects_bad_epoch_counts(loop, epochs):
 
 def test_request_stop_ends_after_the_current_step_hooks(loop):
     recorder = Recorder(loop)
-    loop.on_step("stopper", lambda loop, m: loop.request_stop("enough") if loop.loop_step == 2
-                 else None)
+    loop.on_step(
+        "stopper", lambda loop, m: loop.request_stop("enough") if loop.loop_step == 2 else None
+    )
     loop.on_step("after", recorder.hook("OnStep", "after"))
     loop.on_end("end", recorder.hook("OnEnd", "end"))
     loop.run_steps(make_dataset(1), 10)
@@ -313,8 +326,10 @@ def test_request_stop_ends_after_the_current_step_hooks(loop):
 
 def test_request_stop_in_run_epochs(loop):
     recorder = Recorder(loop).attach_all()
-    loop.on_step("stopper", lambda loop, m: loop.request_stop("early stopping")
-                 if loop.loop_step == 3 else None)
+    loop.on_step(
+        "stopper",
+        lambda loop, m: loop.request_stop("early stopping") if loop.loop_step == 3 else None,
+    )
     loop.run_epochs(make_dataset(2, loop_forever=False), 5)
     assert recorder.steps() == [0, 1, 2, 3]
     assert recorder.phases()[-1] == "OnEnd"
@@ -339,16 +354,31 @@ def test_request_stop_in_on_start_runs_no_step(loop, run):
 def test_hooks_run_in_ascending_priority_ties_in_registration_order(loop):
     order = []
     registrations = [
-        ("ui", Priority.UI), ("default-1", Priority.DEFAULT), ("validate", Priority.VALIDATE),
-        ("default-2", 0), ("checkpoint", Priority.CHECKPOINT), ("just-after-default", 1),
-        ("log", Priority.LOG), ("evaluate", Priority.EVALUATE), ("default-3", Priority.DEFAULT),
+        ("ui", Priority.UI),
+        ("default-1", Priority.DEFAULT),
+        ("validate", Priority.VALIDATE),
+        ("default-2", 0),
+        ("checkpoint", Priority.CHECKPOINT),
+        ("just-after-default", 1),
+        ("log", Priority.LOG),
+        ("evaluate", Priority.EVALUATE),
+        ("default-3", Priority.DEFAULT),
     ]
     for name, priority in registrations:
         loop.on_step(name, lambda loop, m, name=name: order.append(name), priority=priority)
         loop.on_start(name, lambda loop, ds, name=name: order.append(name), priority=priority)
         loop.on_end(name, lambda loop, m, name=name: order.append(name), priority=priority)
-    expected = ["validate", "evaluate", "default-1", "default-2", "default-3",
-                "just-after-default", "checkpoint", "log", "ui"]
+    expected = [
+        "validate",
+        "evaluate",
+        "default-1",
+        "default-2",
+        "default-3",
+        "just-after-default",
+        "checkpoint",
+        "log",
+        "ui",
+    ]
     assert [name for _, name in loop.hooks("OnStep")] == expected
     loop.run_steps(make_dataset(1), 1)
     assert order == expected * 3
@@ -412,21 +442,28 @@ def test_step_durations_stay_bounded_on_long_runs(loop):
 
 def nan_at(step, steps):
     """A dataset whose labels are NaN from `step` on (so the loss is NaN there)."""
+
     def batches():
         for index in range(steps):
             _, inputs, labels = make_dataset(1).yield_batch()
             if index >= step:
                 labels = [np.full_like(labels[0], np.nan)]
             yield inputs, labels
+
     return loopax.IterableDataset(batches, name="nan")
 
 
 def test_non_finite_loss_stops_before_checkpoint_priority_hooks(loop):
     calls = []
-    for name, priority in [("default", Priority.DEFAULT), ("below", Priority.CHECKPOINT - 1),
-                           ("checkpoint", Priority.CHECKPOINT), ("ui", Priority.UI)]:
-        loop.on_step(name, lambda loop, m, name=name: calls.append((name, loop.loop_step)),
-                     priority=priority)
+    for name, priority in [
+        ("default", Priority.DEFAULT),
+        ("below", Priority.CHECKPOINT - 1),
+        ("checkpoint", Priority.CHECKPOINT),
+        ("ui", Priority.UI),
+    ]:
+        loop.on_step(
+            name, lambda loop, m, name=name: calls.append((name, loop.loop_step)), priority=priority
+        )
     ended = []
     loop.on_end("save", lambda loop, m: ended.append(loop.loop_step), priority=Priority.CHECKPOINT)
     with pytest.raises(loopax.NonFiniteLossError, match="step 2"):
@@ -452,8 +489,12 @@ def test_hooks_registered_without_the_check_are_not_preceded_by_it(loop):
         calls.append(("lazy", loop.loop_step))
 
     loop.on_step("lazy", lazy_checkpoint, priority=Priority.CHECKPOINT, check_finite=False)
-    loop.on_step("ui", lambda loop, m: calls.append(("ui", loop.loop_step)), priority=Priority.UI,
-                 check_finite=False)
+    loop.on_step(
+        "ui",
+        lambda loop, m: calls.append(("ui", loop.loop_step)),
+        priority=Priority.UI,
+        check_finite=False,
+    )
     with pytest.raises(loopax.NonFiniteLossError, match="step 1"):
         loop.run_steps(nan_at(1, 3), 3)
     # They ran at every step; the run still stopped before OnEnd, naming the first bad step.

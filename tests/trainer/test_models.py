@@ -51,10 +51,12 @@ def model_fn(ctx, spec, inputs):
 
 def make_trainer(model, devices=1, **kwargs):
     return loopax.Trainer(
-        model, loopax.losses.sparse_categorical_crossentropy_logits,
+        model,
+        loopax.losses.sparse_categorical_crossentropy_logits,
         loopax.optimizers.adam(1e-3),
         eval_metrics=[loopax.metrics.SparseCategoricalAccuracy()],
-        devices=jax.devices()[:devices], **kwargs,
+        devices=jax.devices()[:devices],
+        **kwargs,
     )
 
 
@@ -63,15 +65,19 @@ def train_data(seed=0):
 
 
 def eval_data():
-    return loopax.ArrayDataset(X[TEST], Y[TEST], 64, name="test", shuffle=False,
-                               drop_remainder=False)
+    return loopax.ArrayDataset(
+        X[TEST], Y[TEST], 64, name="test", shuffle=False, drop_remainder=False
+    )
 
 
 @pytest.mark.parametrize("devices", [1, 4])
 def test_the_three_kinds_of_model_train_to_the_same_band(devices):
     accuracies = {}
-    for name, model in (("function", model_fn), ("linen", LinenMLP()),
-                        ("nnx", NnxMLP(nnx.Rngs(0)))):
+    for name, model in (
+        ("function", model_fn),
+        ("linen", LinenMLP()),
+        ("nnx", NnxMLP(nnx.Rngs(0))),
+    ):
         trainer = make_trainer(model, devices)
         loopax.Loop(trainer).run_steps(train_data(), 400)
         accuracies[name] = trainer.evaluate(eval_data())["Accuracy"]
@@ -93,8 +99,9 @@ def test_nnx_parameters_state_and_dropout():
     assert sorted(state.model_state["nnx"]["norm"]) == ["mean", "var"]
     assert np.abs(state.model_state["nnx"]["norm"]["mean"]).sum() > 0
     # ...and dropout differs from step to step (fresh keys per step), not in eval mode.
-    losses = {float(trainer.train_step(None, [X[TRAIN[:64]]], [Y[TRAIN[:64]]])["loss"])
-              for _ in range(3)}
+    losses = {
+        float(trainer.train_step(None, [X[TRAIN[:64]]], [Y[TRAIN[:64]]])["loss"]) for _ in range(3)
+    }
     assert len(losses) == 3
     first, second = (trainer.evaluate(eval_data())["mean_loss"] for _ in range(2))
     assert first == second
@@ -129,25 +136,35 @@ def test_nnx_resume_is_bit_identical(tmp_path, devices):
     hooks.checkpoint(loop, tmp_path)
     loop.on_step("interrupt", lambda loop, m: loop.loop_step == 11 and loop.request_stop("test"))
     loop.run_to_step(train_data(), 30)  # stopped at 12, saved there
-    resumed = make_trainer(NnxMLP(nnx.Rngs(1)), devices)  # other initial values: the checkpoint wins
+    resumed = make_trainer(
+        NnxMLP(nnx.Rngs(1)), devices
+    )  # other initial values: the checkpoint wins
     loop = loopax.Loop(resumed)
     hooks.checkpoint(loop, tmp_path)
     assert resumed.global_step == 12
     loop.run_to_step(train_data(), 30)
-    for want, got in zip(jax.tree.leaves(jax.device_get(uninterrupted.state)),
-                         jax.tree.leaves(jax.device_get(resumed.state))):
+    for want, got in zip(
+        jax.tree.leaves(jax.device_get(uninterrupted.state)),
+        jax.tree.leaves(jax.device_get(resumed.state)),
+    ):
         np.testing.assert_array_equal(want, got)
 
 
 def test_nnx_kill_and_resume_in_real_processes_is_bit_identical(tmp_path):
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
     def run(directory, out, *flags):
         return subprocess.run(
             [sys.executable, str(WORKER), str(directory), "15", str(out), "--nnx", *flags],
-            capture_output=True, text=True, timeout=180, env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
         )
 
     reference = run(tmp_path / "reference", tmp_path / "reference.npz")
@@ -206,12 +223,17 @@ def test_init_params_from_a_checkpoint_reproduce_its_evaluation(tmp_path, device
 
 
 def test_init_params_that_do_not_fit_name_the_entry_and_both_shapes():
-    wrong = {"Dense_0": {"kernel": np.zeros((64, 64), np.float32), "bias": np.zeros((128,), np.float32)},
-             "BatchNorm_0": {"scale": np.ones((128,), np.float32), "bias": np.zeros((128,), np.float32)},
-             "Dense_1": {"kernel": np.zeros((128, 10), np.float32), "bias": np.zeros((10,), np.float32)}}
+    wrong = {
+        "Dense_0": {"kernel": np.zeros((64, 64), np.float32), "bias": np.zeros((128,), np.float32)},
+        "BatchNorm_0": {"scale": np.ones((128,), np.float32), "bias": np.zeros((128,), np.float32)},
+        "Dense_1": {"kernel": np.zeros((128, 10), np.float32), "bias": np.zeros((10,), np.float32)},
+    }
     trainer = make_trainer(model_fn, init_params=wrong)
-    with pytest.raises(ValueError, match=r"init_params holds 'Dense_0/kernel' with shape \(64, 64\) "
-                                         r".*but the model has shape \(64, 128\).*load_params"):
+    with pytest.raises(
+        ValueError,
+        match=r"init_params holds 'Dense_0/kernel' with shape \(64, 64\) "
+        r".*but the model has shape \(64, 128\).*load_params",
+    ):
         trainer.train_step(None, [X[:8]], [Y[:8]])
     missing = {"Dense_0": wrong["Dense_0"]}
     with pytest.raises(ValueError, match=r"init_params has no 'BatchNorm_0/bias'"):
@@ -225,7 +247,8 @@ def test_freezing_part_of_the_model_through_optax():
         return {name: "frozen" if name == "Dense_0" else "trained" for name in params}
 
     trainer = loopax.Trainer(
-        model_fn, loopax.losses.sparse_categorical_crossentropy_logits,
+        model_fn,
+        loopax.losses.sparse_categorical_crossentropy_logits,
         optax.multi_transform({"trained": optax.adam(1e-3), "frozen": optax.set_to_zero()}, labels),
         devices=jax.devices()[:1],
     )
@@ -242,9 +265,12 @@ def test_a_model_without_trainable_parameters_is_an_error_at_its_first_step():
         return nnx.Linear(64, 10, rngs=nnx.Rngs(0))(inputs[0])
 
     trainer = make_trainer(nnx_inside)
-    with pytest.raises(ValueError, match=r"model 'nnx_inside' has no trainable parameters.*"
-                                         r"builds a flax.nnx.Module inside it.*"
-                                         r"loopax.Trainer\(module, \.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model 'nnx_inside' has no trainable parameters.*"
+        r"builds a flax.nnx.Module inside it.*"
+        r"loopax.Trainer\(module, \.\.\.\)",
+    ):
         trainer.train_step(None, [X[:8]], [Y[:8]])
 
 

@@ -45,11 +45,18 @@ def regression_data(steps=STEPS, batch_size=8):
 
 def train_run(devices, parallel="shard_map"):
     """Trains the MLP on the same 10 global batches; returns per-step metrics and the trainer."""
-    trainer = loopax.Trainer(mlp_model, squared_error, optax.sgd(0.1),
-                             train_metrics=[metrics.Mean("mae", mae)],
-                             eval_metrics=[metrics.Mean("mae", mae),
-                                           metrics.Mean("batch_mean", lambda y, p: jnp.mean(p[0]))],
-                             devices=devices, parallel=parallel)
+    trainer = loopax.Trainer(
+        mlp_model,
+        squared_error,
+        optax.sgd(0.1),
+        train_metrics=[metrics.Mean("mae", mae)],
+        eval_metrics=[
+            metrics.Mean("mae", mae),
+            metrics.Mean("batch_mean", lambda y, p: jnp.mean(p[0])),
+        ],
+        devices=devices,
+        parallel=parallel,
+    )
     x, y = regression_data()
     dataset = loopax.ArrayDataset(x, y, batch_size=8, seed=3)
     loop = loopax.Loop(trainer)
@@ -71,8 +78,11 @@ def four_device_run(request):
 
 
 def assert_close_trees(got, want):
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6),
-                 jax.device_get(got), jax.device_get(want))
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6),
+        jax.device_get(got),
+        jax.device_get(want),
+    )
 
 
 def test_four_devices_give_the_one_device_result(one_device_run, four_device_run):
@@ -105,8 +115,13 @@ def test_eval_metrics_on_four_devices_equal_one_device(one_device_run, four_devi
     results = four_device_run[1].evaluate(dataset)
     assert list(results) == ["mean_loss", "mae", "batch_mean"]
     for name in expected:
-        np.testing.assert_allclose(results[name], expected[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{name}: {results} vs {expected}")
+        np.testing.assert_allclose(
+            results[name],
+            expected[name],
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"{name}: {results} vs {expected}",
+        )
 
 
 def test_train_batch_not_divisible_by_the_device_count_raises():
@@ -127,8 +142,13 @@ def dropout_batch_norm_model(ctx, spec, inputs):
 
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_dropout_and_batch_norm_train_on_four_devices(parallel):
-    trainer = loopax.Trainer(dropout_batch_norm_model, squared_error, optax.adam(0.01),
-                             devices=FOUR_DEVICES, parallel=parallel)
+    trainer = loopax.Trainer(
+        dropout_batch_norm_model,
+        squared_error,
+        optax.adam(0.01),
+        devices=FOUR_DEVICES,
+        parallel=parallel,
+    )
     x, y = regression_data(steps=4, batch_size=16)
     dataset = loopax.ArrayDataset(x, y, batch_size=16, loop_forever=True)
     losses_seen = []
@@ -155,8 +175,9 @@ def per_device_random_model(ctx, spec, inputs):
 
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_make_rng_differs_per_device(parallel):
-    trainer = loopax.Trainer(per_device_random_model, None, optax.sgd(0.1),
-                             devices=FOUR_DEVICES, parallel=parallel)
+    trainer = loopax.Trainer(
+        per_device_random_model, None, optax.sgd(0.1), devices=FOUR_DEVICES, parallel=parallel
+    )
     x = np.ones((4, 1), np.float32)
     spreads = jax.device_get([trainer.train_step(None, [x], [])["loss"] for _ in range(3)])
     assert all(spread > 0 for spread in spreads)

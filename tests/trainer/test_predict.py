@@ -20,16 +20,27 @@ def two_inputs_two_outputs(ctx, spec, inputs):
 
 
 def by_hand(params, x, z):
-    hidden = np.tanh(x @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
-                     + z @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"])
-    return [hidden @ params[name]["kernel"] + params[name]["bias"] for name in ("Dense_2", "Dense_3")]
+    hidden = np.tanh(
+        x @ params["Dense_0"]["kernel"]
+        + params["Dense_0"]["bias"]
+        + z @ params["Dense_1"]["kernel"]
+        + params["Dense_1"]["bias"]
+    )
+    return [
+        hidden @ params[name]["kernel"] + params[name]["bias"] for name in ("Dense_2", "Dense_3")
+    ]
 
 
 @pytest.fixture(params=[(1, "shard_map"), (4, "shard_map"), (4, "pmap")], ids=str)
 def trainer(request):
     devices, parallel = request.param
-    trainer = loopax.Trainer(two_inputs_two_outputs, lambda labels, predictions: predictions[1] ** 2,
-                             optax.sgd(0.1), devices=jax.devices()[:devices], parallel=parallel)
+    trainer = loopax.Trainer(
+        two_inputs_two_outputs,
+        lambda labels, predictions: predictions[1] ** 2,
+        optax.sgd(0.1),
+        devices=jax.devices()[:devices],
+        parallel=parallel,
+    )
     trainer.train_step(None, [X[:8], Z[:8]], [np.zeros((8,), np.float32)])
     return trainer
 
@@ -53,8 +64,9 @@ def test_predictions_equal_a_forward_pass_by_hand_for_every_example(trainer):
 
 def test_a_dataset_and_small_inputs(trainer):
     expected = by_hand(jax.device_get(trainer.params), X, Z)
-    dataset = loopax.ArrayDataset([X, Z], np.zeros(103, np.float32), 16, shuffle=False,
-                                  drop_remainder=False, name="all")
+    dataset = loopax.ArrayDataset(
+        [X, Z], np.zeros(103, np.float32), 16, shuffle=False, drop_remainder=False, name="all"
+    )
     for want, got in zip(expected, trainer.predict(dataset)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for count in (1, 3):  # fewer examples than devices
@@ -63,18 +75,24 @@ def test_a_dataset_and_small_inputs(trainer):
 
 
 def test_a_single_output_is_an_array():
-    trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(2)(x[0]),
-                             loopax.losses.mean_squared_error, optax.sgd(0.1),
-                             devices=jax.devices()[:1])
+    trainer = loopax.Trainer(
+        lambda ctx, spec, x: nn.Dense(2)(x[0]),
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.1),
+        devices=jax.devices()[:1],
+    )
     trainer.train_step(None, [X[:8]], [np.zeros((8, 2), np.float32)])
     predictions = trainer.predict(X)
     assert isinstance(predictions, np.ndarray) and predictions.shape == (103, 2)
 
 
 def test_errors_name_what_is_missing_or_wrong():
-    trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(2)(x[0]),
-                             loopax.losses.mean_squared_error, optax.sgd(0.1),
-                             devices=jax.devices()[:1])
+    trainer = loopax.Trainer(
+        lambda ctx, spec, x: nn.Dense(2)(x[0]),
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.1),
+        devices=jax.devices()[:1],
+    )
     with pytest.raises(RuntimeError, match="predict needs the model's variables"):
         trainer.predict(X)
     trainer.train_step(None, [X[:8]], [np.zeros((8, 2), np.float32)])

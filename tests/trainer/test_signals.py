@@ -13,13 +13,25 @@ WORKER = Path(__file__).parent.parent / "hooks" / "checkpoint_worker.py"
 
 
 def run_worker(tmp_path, directory, target, *flags):
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     return subprocess.run(
-        [sys.executable, str(WORKER), str(directory), str(target), str(tmp_path / "out.npz"),
-         *flags],
-        capture_output=True, text=True, timeout=180, env=env,
+        [
+            sys.executable,
+            str(WORKER),
+            str(directory),
+            str(target),
+            str(tmp_path / "out.npz"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
 
 
@@ -52,8 +64,9 @@ def test_first_signal_saves_runs_on_end_and_exits_with_one_line(tmp_path, signal
 
 def test_a_second_signal_during_the_save_exits_at_once_and_keeps_the_older_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
-    interrupted = run_worker(tmp_path, directory, 20, "--every", "3", "--signal-at", "7",
-                             "--second-signal-in-commit")
+    interrupted = run_worker(
+        tmp_path, directory, 20, "--every", "3", "--signal-at", "7", "--second-signal-in-commit"
+    )
     assert interrupted.returncode == 130, interrupted.stderr[-3000:]
     assert interrupted.stderr == "loopax: second SIGINT: exiting now\n"
     # The save of step 8 was cut off in its commit: never a checkpoint. Step 6 is intact, and
@@ -65,8 +78,10 @@ def test_a_second_signal_during_the_save_exits_at_once_and_keeps_the_older_check
 
 
 def test_without_a_checkpoint_the_line_says_nothing_was_saved(tmp_path):
-    interrupted = run_worker(tmp_path, tmp_path / "unused", 20, "--no-checkpoint",
-                             "--signal-at", "3")
+    interrupted = run_worker(
+        tmp_path, tmp_path / "unused", 20, "--no-checkpoint", "--signal-at", "3"
+    )
     assert interrupted.returncode == 130, interrupted.stderr[-3000:]
     assert interrupted.stderr == (
-        "interrupted at step 4; no checkpoint hook is attached, so nothing was saved\n")
+        "interrupted at step 4; no checkpoint hook is attached, so nothing was saved\n"
+    )

@@ -32,24 +32,31 @@ def test_a_skipped_step_leaves_every_state_but_the_step_unchanged(devices):
     trainer.train_step(*batch())
     before = jax.device_get(trainer.state)
     metrics = trainer.train_step(*batch(bad=True))
-    assert list(metrics) == ["loss", "moving_average_loss", "Moving Average Accuracy",
-                             "skipped_steps"]
+    assert list(metrics) == [
+        "loss",
+        "moving_average_loss",
+        "Moving Average Accuracy",
+        "skipped_steps",
+    ]
     assert not np.isfinite(float(metrics["loss"]))
     assert float(metrics["skipped_steps"]) == 1.0
     assert float(metrics["moving_average_loss"]) == pytest.approx(
-        float(before.train_metrics[0][0]))  # the average did not see the NaN
+        float(before.train_metrics[0][0])
+    )  # the average did not see the NaN
     after = jax.device_get(trainer.state)
     assert int(after.step) == int(before.step) + 1
     for field in ("params", "opt_state", "model_state", "train_metrics"):
-        for want, got in zip(jax.tree.leaves(getattr(before, field)),
-                             jax.tree.leaves(getattr(after, field))):
+        for want, got in zip(
+            jax.tree.leaves(getattr(before, field)), jax.tree.leaves(getattr(after, field))
+        ):
             if field == "train_metrics" and np.shape(want) == (3,):
                 np.testing.assert_array_equal(got, [want[0], want[1], want[2] + 1])
             else:
                 np.testing.assert_array_equal(want, got)
     trainer.train_step(*batch())  # and a good step trains again
-    assert not np.array_equal(jax.device_get(trainer.params)["Dense_0"]["kernel"],
-                              after.params["Dense_0"]["kernel"])
+    assert not np.array_equal(
+        jax.device_get(trainer.params)["Dense_0"]["kernel"], after.params["Dense_0"]["kernel"]
+    )
 
 
 def test_switching_it_off_drops_the_metric_and_recompiles():
@@ -80,6 +87,8 @@ def test_skipped_steps_without_a_handler_warn_with_the_steps():
 def test_user_metric_named_skipped_steps_is_rejected():
     with pytest.raises(ValueError, match="duplicate train metric name 'skipped_steps'"):
         loopax.Trainer(
-            lambda ctx, spec, x: x[0], None, loopax.optimizers.sgd(0.1),
+            lambda ctx, spec, x: x[0],
+            None,
+            loopax.optimizers.sgd(0.1),
             train_metrics=[loopax.metrics.Mean("skipped_steps", lambda labels, preds: preds[0])],
         )

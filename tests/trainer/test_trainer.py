@@ -45,8 +45,10 @@ def frozen_trainer():
     """Learning rate 0: the params stay the initial ones, so host recomputations are exact."""
     return make_trainer(
         optimizer=optax.sgd(0.0),
-        train_metrics=[metrics.Mean("mae", mae),
-                       metrics.MovingAverage("ma_mae", mae, new_example_weight=0.5)],
+        train_metrics=[
+            metrics.Mean("mae", mae),
+            metrics.MovingAverage("ma_mae", mae, new_example_weight=0.5),
+        ],
     )
 
 
@@ -84,15 +86,18 @@ def test_moving_average_loss_is_exact_mean_for_100_steps_then_weight_one_percent
     host = jax.device_get(returned)
     losses = np.array([m["loss"] for m in host], np.float64)
     averages = np.array([m["moving_average_loss"] for m in host], np.float64)
-    assert len(set(losses.round(6))) > 100, "the losses should vary for this check to mean something"
+    assert len(set(losses.round(6))) > 100, (
+        "the losses should vary for this check to mean something"
+    )
     expected, mean = [], 0.0
     for count, loss in enumerate(losses, start=1):
         weight = max(0.01, 1.0 / count)
         mean = mean * (1 - weight) + loss * weight
         expected.append(mean)
     np.testing.assert_allclose(averages, expected, rtol=2e-5)
-    np.testing.assert_allclose(averages[:100], np.cumsum(losses[:100]) / np.arange(1, 101),
-                               rtol=2e-5)
+    np.testing.assert_allclose(
+        averages[:100], np.cumsum(losses[:100]) / np.arange(1, 101), rtol=2e-5
+    )
 
 
 def test_reset_train_metrics_resets_moving_averages(frozen_trainer):
@@ -147,15 +152,18 @@ def test_state_setter_restores_a_saved_state():
     trainer.train_step(None, [x], [y])
     trainer.state = jax.tree.map(np.array, saved)
     assert trainer.global_step == 1
-    np.testing.assert_allclose(jax.device_get(trainer.train_step(None, [x], [y])["loss"]),
-                               after_one, rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.device_get(trainer.train_step(None, [x], [y])["loss"]), after_one, rtol=1e-6
+    )
     with pytest.raises(TypeError):
         trainer.state = {"params": saved.params}
 
 
 def test_add_per_step_update_constrains_params_after_each_step():
     trainer = make_trainer(optimizer=optax.sgd(1.0))
-    trainer.add_per_step_update(lambda params: jax.tree.map(lambda p: jnp.clip(p, -0.1, 0.1), params))
+    trainer.add_per_step_update(
+        lambda params: jax.tree.map(lambda p: jnp.clip(p, -0.1, 0.1), params)
+    )
     for seed in range(5):
         x, y = regression_batch(seed)
         trainer.train_step(None, [x], [y])
@@ -385,8 +393,10 @@ def batches_of_sizes(sizes, seed=0):
 def eval_trainer():
     trainer = make_trainer(
         train_metrics=[metrics.Mean("mae", mae)],
-        eval_metrics=[metrics.Mean("mae", mae),
-                      metrics.Mean("batch_mean_abs", lambda y, p: jnp.mean(jnp.abs(p[0])))]
+        eval_metrics=[
+            metrics.Mean("mae", mae),
+            metrics.Mean("batch_mean_abs", lambda y, p: jnp.mean(jnp.abs(p[0]))),
+        ],
     )
     x, y = regression_batch(0)
     trainer.train_step(None, [x], [y])
@@ -405,9 +415,12 @@ def test_evaluate_returns_example_weighted_means_over_batches_of_different_sizes
     np.testing.assert_allclose(results["mean_loss"], np.mean((y - predictions) ** 2), rtol=1e-5)
     np.testing.assert_allclose(results["mae"], np.mean(np.abs(y - predictions)), rtol=1e-5)
     # A metric returning a scalar per batch counts once per example of the batch.
-    per_batch = [np.mean(np.abs(host_predictions(eval_trainer, inputs[0]))) for inputs, _ in batches]
-    np.testing.assert_allclose(results["batch_mean_abs"],
-                               np.average(per_batch, weights=[8, 2, 4]), rtol=1e-5)
+    per_batch = [
+        np.mean(np.abs(host_predictions(eval_trainer, inputs[0]))) for inputs, _ in batches
+    ]
+    np.testing.assert_allclose(
+        results["batch_mean_abs"], np.average(per_batch, weights=[8, 2, 4]), rtol=1e-5
+    )
 
 
 def test_evaluate_resets_the_dataset_and_metrics_at_the_start(eval_trainer):
@@ -443,8 +456,9 @@ def test_eval_step_returns_running_values(eval_trainer):
     assert all(isinstance(value, jax.Array) for value in first.values())
     second = eval_trainer.eval_step(None, [x2], [y2])
     x, y = np.concatenate([x1, x2]), np.concatenate([y1, y2])
-    np.testing.assert_allclose(float(second["mean_loss"]),
-                               np.mean((y - host_predictions(eval_trainer, x)) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(second["mean_loss"]), np.mean((y - host_predictions(eval_trainer, x)) ** 2), rtol=1e-5
+    )
     eval_trainer.reset_eval_metrics()
     again = eval_trainer.eval_step(None, [x1], [y1])
     np.testing.assert_allclose(float(again["mean_loss"]), float(first["mean_loss"]), rtol=1e-6)
@@ -479,8 +493,9 @@ def test_eval_before_any_train_step_initializes_the_variables():
     results = trainer.evaluate(loopax.ArrayDataset(x, y, batch_size=4))
     assert trainer.global_step == 0
     assert trainer.params is not None
-    np.testing.assert_allclose(results["mean_loss"],
-                               np.mean((y - host_predictions(trainer, x)) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(
+        results["mean_loss"], np.mean((y - host_predictions(trainer, x)) ** 2), rtol=1e-5
+    )
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -542,17 +557,36 @@ def test_bad_batch_leaves_the_trainer_usable(plain_trainer):
         ((dense_model, squared_error, "adam"), {}, TypeError, "optax"),
         ((dense_model, squared_error, optax.sgd(0.1)), {"parallel": "vmap"}, ValueError, "vmap"),
         ((dense_model, squared_error, optax.sgd(0.1)), {"devices": []}, ValueError, "devices"),
-        ((dense_model, squared_error, optax.sgd(0.1)), {"max_executors": 0}, ValueError,
-         "max_executors"),
-        ((dense_model, squared_error, optax.sgd(0.1)),
-         {"train_metrics": [metrics.Mean("m", mae), metrics.Mean("m", mae)]}, ValueError,
-         "duplicate"),
-        ((dense_model, squared_error, optax.sgd(0.1)),
-         {"train_metrics": [metrics.Mean("loss", mae)]}, ValueError, "duplicate"),
-        ((dense_model, squared_error, optax.sgd(0.1)),
-         {"eval_metrics": [metrics.Mean("mean_loss", mae)]}, ValueError, "duplicate"),
-        ((dense_model, squared_error, optax.sgd(0.1)), {"eval_metrics": [object()]}, TypeError,
-         "Metric"),
+        (
+            (dense_model, squared_error, optax.sgd(0.1)),
+            {"max_executors": 0},
+            ValueError,
+            "max_executors",
+        ),
+        (
+            (dense_model, squared_error, optax.sgd(0.1)),
+            {"train_metrics": [metrics.Mean("m", mae), metrics.Mean("m", mae)]},
+            ValueError,
+            "duplicate",
+        ),
+        (
+            (dense_model, squared_error, optax.sgd(0.1)),
+            {"train_metrics": [metrics.Mean("loss", mae)]},
+            ValueError,
+            "duplicate",
+        ),
+        (
+            (dense_model, squared_error, optax.sgd(0.1)),
+            {"eval_metrics": [metrics.Mean("mean_loss", mae)]},
+            ValueError,
+            "duplicate",
+        ),
+        (
+            (dense_model, squared_error, optax.sgd(0.1)),
+            {"eval_metrics": [object()]},
+            TypeError,
+            "Metric",
+        ),
     ],
 )
 def test_bad_constructor_arguments(args, kwargs, error, message):
@@ -584,8 +618,10 @@ def test_a_state_with_another_rng_key_recompiles_and_uses_it():
     seeded_zero.train_step(None, [x], [y])
     seeded_one.train_step(None, [x], [y])
     assert len(compiled) == 1  # the key is compiled into the step
-    for want, got in zip(jax.tree.leaves(jax.device_get(seeded_zero.params)),
-                         jax.tree.leaves(jax.device_get(seeded_one.params))):
+    for want, got in zip(
+        jax.tree.leaves(jax.device_get(seeded_zero.params)),
+        jax.tree.leaves(jax.device_get(seeded_one.params)),
+    ):
         np.testing.assert_array_equal(want, got)
 
     # Setting a state with the same key does not recompile.

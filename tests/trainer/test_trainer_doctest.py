@@ -2,10 +2,9 @@
 
 import doctest
 import importlib
+import pkgutil
 
 import pytest
-
-import pkgutil
 
 import loopax.trainer
 
