@@ -137,10 +137,18 @@ def triplet(*, margin: float = 1.0, distance: str = "l2", mining: str = "semi_ha
         )
         classes = classes.reshape(batch)
         dtype = compute_dtype(embeddings)
-        distances = _pairwise_distances(embeddings.astype(dtype), distance)
+        out_dtype = result_dtype(embeddings)
+        embeddings = embeddings.astype(dtype)
+        if mask is None:
+            in_batch = jnp.ones(batch, bool)
+        else:
+            in_batch = mask.reshape(batch)
+            # Padding may hold anything (NaN): zero it so that neither the distances nor
+            # their gradient (a matrix product over every row) see it.
+            embeddings = jnp.where(in_batch[:, None], embeddings, 0)
+        distances = _pairwise_distances(embeddings, distance)
 
         same_class = classes[:, None] == classes[None, :]
-        in_batch = jnp.ones(batch, bool) if mask is None else mask.reshape(batch)
         pair_in_batch = in_batch[:, None] & in_batch[None, :]
         positive = same_class & ~jnp.eye(batch, dtype=bool) & pair_in_batch
         negative = ~same_class & pair_in_batch
@@ -172,7 +180,7 @@ def triplet(*, margin: float = 1.0, distance: str = "l2", mining: str = "semi_ha
         if weights is not None:
             anchor_weights = weights.reshape(batch).astype(dtype)
             per_triplet = per_triplet * anchor_weights.reshape((batch,) + (1,) * (gaps.ndim - 1))
-        return masked_mean(per_triplet, valid, result_dtype(embeddings))
+        return masked_mean(per_triplet, valid, out_dtype)
 
     triplet_loss.__name__ = triplet_loss.__qualname__ = "triplet"
     triplet_loss.__doc__ = (
