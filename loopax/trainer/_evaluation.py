@@ -35,6 +35,7 @@ class EvalSteps:
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
         self._eval_states = None
+        self._steps.host_eval.reset()  # host metrics' states
 
     def _fresh_eval_states(self) -> Any:
         fresh = self._steps.fresh_eval_metrics()
@@ -71,6 +72,8 @@ class EvalSteps:
         if self._multi_process:
             inputs, labels = self._to_global(inputs), self._to_global(labels)
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
+        if self._steps.host_eval:  # host metrics: their step values wait, unread
+            return self._steps.host_eval.results(self.eval_metric_names, values)
         return dict(zip(self.eval_metric_names, values))
 
     def _eval_uneven_batch(
@@ -86,6 +89,8 @@ class EvalSteps:
             self._eval_states = self._fresh_eval_states()
         pieces = self._globalize(split_uneven_batch(inputs, labels, self._local_devices))
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
+        if self._steps.host_eval:  # host metrics: their step values wait, unread
+            return self._steps.host_eval.results(self.eval_metric_names, values)
         return dict(zip(self.eval_metric_names, values))
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:

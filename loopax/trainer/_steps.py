@@ -18,6 +18,7 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
+from ._host_metrics import split_host_metrics
 from ._state import TrainState
 
 AXIS = "devices"
@@ -129,6 +130,9 @@ class StepBuilder:
         self.optimizer = optimizer
         self.train_metrics = tuple(train_metrics)
         self.eval_metrics = tuple(eval_metrics)
+        # Host metrics (loopax.metrics.HostMetric) only return step values; see _host_metrics.
+        self.train_metrics, self.host_train = split_host_metrics(train_metrics, AXIS, num_devices)
+        self.eval_metrics, self.host_eval = split_host_metrics(eval_metrics, AXIS, num_devices)
         self.per_step_updates = per_step_updates
         self.num_devices = num_devices
         self.collectives = Collectives(num_devices)
@@ -258,6 +262,8 @@ class StepBuilder:
         )
         if self.skip_non_finite:
             values = (*values, self.loss_average.skipped(loss_average))
+        # Host metrics' step values, returned unread (a skipped step's are left out).
+        values = (*values, *self.host_train.step_values(labels, predictions, ok))
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -303,6 +309,7 @@ class StepBuilder:
         if inputs is not None:
             divisible = self._eval_partials(spec, rng, state, inputs, labels)
             merges = (add_mean_states, *(m.merge for m in self.eval_metrics))
+            merges = (*merges, *self.host_eval.merges)  # host metrics' step values concatenate
             partials = tuple(merge(a, b) for merge, a, b in zip(merges, divisible, partials))
         return self._accumulate_eval(metric_states, partials)
 
@@ -323,6 +330,7 @@ class StepBuilder:
                 self.collectives.merge(metric.merge, metric.update(labels, predictions), valid)
                 for metric in self.eval_metrics
             ),
+            *self.host_eval.step_values(labels, predictions, valid),  # host metrics' step values
         )
 
     def _accumulate_eval(self, metric_states, partials):
@@ -337,6 +345,7 @@ class StepBuilder:
             mean_of(loss_state),
             *(m.compute(s) for m, s in zip(self.eval_metrics, user_states)),
         )
+        values = (*values, *partials[1 + len(self.eval_metrics) :])  # host metrics' step values
         return (loss_state, *user_states), values
 
 

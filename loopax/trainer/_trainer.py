@@ -20,6 +20,7 @@ from ._context import ModelFn
 from ._datasets import as_list
 from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._host_metrics import is_host_metric
 from ._models import NnxModel, adapt, no_parameters_message
 from ._predict import Predict
 from ._state import TrainState, from_plain
@@ -36,6 +37,7 @@ def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...])
     names = list(reserved)
     for metric in metrics:
         missing = [m for m in _METRIC_METHODS if not callable(getattr(metric, m, None))]
+        missing = [] if is_host_metric(metric) else missing  # a loopax.metrics.HostMetric
         if missing or not isinstance(getattr(metric, "name", None), str):
             raise TypeError(
                 f"{kind} metric {metric!r} does not follow the loopax.metrics.Metric protocol "
@@ -69,8 +71,8 @@ class Trainer(StateAccess, EvalSteps, Predict):
       loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
         or None when the model adds its losses with `ctx.add_loss`.
       optimizer: an `optax.GradientTransformation`.
-      train_metrics: `loopax.metrics.Metric` objects updated in every train step.
-      eval_metrics: `loopax.metrics.Metric` objects updated in every eval step.
+      train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every train step.
+      eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every eval step.
       seed: seeds parameter initialization and the per-step RNG.
       init_params: start from these parameters (nested dicts of arrays, e.g.
         `loopax.load_params(directory)`) instead of fresh ones; they must have the model's
@@ -267,6 +269,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
+        self._steps.host_train.reset()  # host metrics' states
         if self._state is None:
             return
         fresh = self._steps.fresh_train_metrics()
@@ -426,6 +429,8 @@ class Trainer(StateAccess, EvalSteps, Predict):
             inputs, labels = self._to_global(inputs), self._to_global(labels)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
+        if self._steps.host_train:  # host metrics: their step values wait, unread
+            return self._steps.host_train.results(self._step_metric_names, values)
         return dict(zip(self._step_metric_names, values))
 
     def nnx_module(self) -> Any:
