@@ -33,11 +33,11 @@ class HostMetric(abc.ABC):
     2. The step only returns those values; the trainer keeps them on the device, unread.
        When something reads the metric (a hook's `loop.host_metrics()`, `float()` or
        `np.asarray` of its entry in the metrics dict, the end of `Trainer.evaluate`),
-       the values of the steps up to the one read are fetched in one transfer and folded
-       in, oldest first, with `update_host(state, values)`; `compute_host(state)` gives
-       the value. So nothing is read per step; on long runs without readers the oldest
-       pending values are copied asynchronously and folded in every 64 steps, which
-       bounds the memory they hold.
+       the values of the steps up to the one read are fetched and folded in, oldest
+       first, with `update_host(state, values)`; `compute_host(state)` gives the value.
+       So nothing is read per step; on long runs without readers the oldest pending
+       values are copied asynchronously and folded in every 64 steps, which bounds the
+       memory they hold.
     3. `init_host()` is the state before any value; the trainer starts afresh with it on
        `Trainer.reset_train_metrics()` (train) or `reset_eval_metrics()`/`evaluate()`
        (eval). The host state is not part of the train state: checkpoints do not hold it,
@@ -95,12 +95,14 @@ class HostMetric(abc.ABC):
 
     @abc.abstractmethod
     def update_host(self, state: HostState, values: np.ndarray) -> HostState:
-        """Folds one step's values into the host state (it may update `state` in place).
+        """Folds values into the host state (it may update `state` in place).
 
         Args:
           state: the host state.
-          values: the whole global batch's values, a numpy array with at least one
-            element: shape `[examples, ...]` for per-example values, `[1]` for a scalar.
+          values: the values of one or more consecutive steps, each step's those of its
+            whole global batch, concatenated along the first axis in step order: a numpy
+            array with at least one element, `[examples, ...]` for per-example values,
+            `[steps]` for scalars (one batch mean per step).
 
         Returns:
           The new host state.

@@ -197,11 +197,21 @@ def median_loss(
       ValueError: `name` is empty or `sample_size` is not a positive int.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, flax.linen as nn
+      >>> import loopax
       >>> from loopax import losses
       >>> metric = median_loss(losses.mean_absolute_error)
       >>> metric.device_values([jnp.array([[1.0], [5.0]])], [jnp.zeros((2, 1))])
       Array([1., 5.], dtype=float32)
+      >>> def model_fn(ctx, spec, inputs):  # predicts 0 (and learns nothing at rate 0)
+      ...     return nn.Dense(1, kernel_init=nn.initializers.zeros)(inputs[0])
+      >>> trainer = loopax.Trainer(model_fn, losses.mean_absolute_error, optax.sgd(0.0),
+      ...                          train_metrics=[metric], devices=jax.devices()[:1])
+      >>> x = np.ones((3, 1), np.float32)
+      >>> for y in ([[1.0], [2.0], [9.0]], [[4.0], [5.0], [6.0]]):
+      ...     values = trainer.train_step(None, [x], [np.array(y, np.float32)])
+      >>> float(values["median_loss"])  # of 1, 2, 9, 4, 5, 6, read only now
+      4.5
     """
     if not callable(loss_fn):
         raise TypeError(

@@ -4,15 +4,16 @@ A `loopax.metrics.HostMetric`'s per-step values are computed and gathered inside
 compiled step (`HostMetrics.step_values`) and returned with the other metric values.
 `HostMetrics.results` puts a lazy `HostMetricValue` in the metrics dict in their place
 and keeps the device arrays pending in a `_Stream`, untouched: no transfer, no wait.
-Reading a `HostMetricValue` fetches the pending values up to its step in one
-`jax.device_get` and folds them into the host states. Without readers the stream folds its
-oldest half every `MAX_PENDING` steps, after copying them asynchronously half a window
-earlier, so the arrays it holds stay bounded.
+Reading a `HostMetricValue` fetches the pending values up to its step and folds them into
+the host states. Without readers, whenever `MAX_PENDING` steps are pending the stream
+folds the oldest half, whose copies to the host it started `MAX_PENDING // 2` steps
+earlier, so the arrays it holds stay bounded and the fold does not wait for a transfer.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -199,8 +200,9 @@ class HostMetrics:
 
 
 def fetch(entries: list) -> list:
-    """Reads step values from the device (one call for all of them)."""
-    return jax.device_get(entries)
+    """Reads step values from the device whose copies to the host were started."""
+    # Leaf by leaf: jax.device_get would start each copy again, ~8 µs per array.
+    return jax.tree.map(np.asarray, entries)
 
 
 class _Stream:
@@ -209,7 +211,8 @@ class _Stream:
     Step values are folded in step order. A `HostMetricValue` reports its metric as of
     its own step: if the states move past that step before it is read (another reader
     read a later step, or the pending values were folded to bound them) while it is still
-    referenced, its value is computed just before they do.
+    referenced, its value is computed just before they do. A lock keeps a read from
+    another thread (a writer's) from folding while the loop pushes.
     """
 
     def __init__(self, metrics: tuple, max_pending: int):
@@ -219,24 +222,25 @@ class _Stream:
         self.pending: collections.deque[tuple[int, tuple]] = collections.deque()
         self.max_pending = max_pending
         self.pushed = 0  # steps pushed; the next step's index
-        self.folded = 0  # steps folded into `states`
-        self.fetches = 0  # device reads, for tests
+        self.copying = -1  # the last step whose copy to the host was started
         # (step index, position) -> the still-referenced, not yet computed value.
         self.unread: weakref.WeakValueDictionary[tuple[int, int], HostMetricValue] = (
             weakref.WeakValueDictionary()
         )
+        self.lock = threading.Lock()
 
     def push(self, step_values: tuple) -> int:
-        index = self.pushed
-        self.pushed += 1
-        self.pending.append((index, step_values))
-        count = len(self.pending)
-        if count >= self.max_pending:
-            self.fold_through(self.pending[count - self.max_pending // 2 - 1][0])
-            self.copy_async(self.pushed - 1)
-        elif count == self.max_pending // 2:
-            self.copy_async(index)
-        return index
+        with self.lock:
+            index = self.pushed
+            self.pushed += 1
+            self.pending.append((index, step_values))
+            count = len(self.pending)
+            if count >= self.max_pending:
+                self._fold_through(self.pending[count - self.max_pending // 2 - 1][0])
+                self._copy_async(self.pushed - 1)
+            elif count == self.max_pending // 2:
+                self._copy_async(index)
+            return index
 
     def value(self, index: int, name: str) -> HostMetricValue:
         value = HostMetricValue(self, index, self.positions[name])
@@ -245,40 +249,68 @@ class _Stream:
 
     def copy_async(self, through: int) -> None:
         """Starts copying the pending values of steps `<= through` to the host."""
+        with self.lock:
+            self._copy_async(through)
+
+    def _copy_async(self, through: int) -> None:
+        """Starts the copies of the pending steps `<= through` not started yet."""
         for index, step_values in self.pending:
             if index > through:
                 break
-            for leaf in jax.tree.leaves(step_values):
-                leaf.copy_to_host_async()
+            if index > self.copying:
+                for leaf in jax.tree.leaves(step_values):
+                    leaf.copy_to_host_async()
+        self.copying = max(self.copying, through)
 
-    def fold_through(self, through: int) -> None:
-        """Fetches the pending values of steps `<= through` and folds them in."""
+    def _fold_through(self, through: int) -> None:
+        """Fetches the pending values of steps `<= through` and folds them in.
+
+        Each metric gets the values of consecutive steps in one `update_host` call,
+        split only at the steps whose values are still referenced unread, which are
+        computed there.
+        """
         entries = []
         while self.pending and self.pending[0][0] <= through:
             entries.append(self.pending.popleft())
         if not entries:
             return
-        self.fetches += 1
+        self._copy_async(through)
         host_entries = fetch([step_values for _, step_values in entries])
-        for (index, _), step_values in zip(entries, host_entries, strict=True):
-            for position, metric in enumerate(self.metrics):
+        for position in range(len(self.metrics)):
+            run: list[np.ndarray] = []
+            for (index, _), step_values in zip(entries, host_entries, strict=True):
                 kept = step_values[position].kept()
                 if kept.size:
-                    self.states[position] = metric.update_host(self.states[position], kept)
-            self.folded = index + 1
-            for position in range(len(self.metrics)):
+                    run.append(kept)
                 waiting = self.unread.pop((index, position), None)
                 if waiting is not None:
+                    self._update(position, run)
+                    run = []
                     waiting.computed = self.compute(position)
+            self._update(position, run)
+
+    def _update(self, position: int, run: list[np.ndarray]) -> None:
+        """Folds the values of consecutive steps into one metric's state."""
+        if not run:
+            return
+        metric = self.metrics[position]
+        if len({(values.shape[1:], values.dtype) for values in run}) == 1:
+            self.states[position] = metric.update_host(self.states[position], np.concatenate(run))
+            return
+        for values in run:  # per-example values whose shapes vary from step to step
+            self.states[position] = metric.update_host(self.states[position], values)
 
     def compute(self, position: int) -> float:
         return float(self.metrics[position].compute_host(self.states[position]))
 
     def read(self, value: HostMetricValue) -> float:
-        self.fold_through(value.index)
-        # Folding past a referenced value computes it, so here the states are at its step.
-        self.unread.pop((value.index, value.position), None)
-        return self.compute(value.position)
+        with self.lock:
+            if value.computed is not None:  # computed by a fold on another thread
+                return value.computed
+            self._fold_through(value.index)
+            # Folding past a referenced value computes it, so the states are at its step.
+            self.unread.pop((value.index, value.position), None)
+            return self.compute(value.position)
 
 
 class HostMetricValue:

@@ -101,9 +101,11 @@ def test_train_median_equals_numpys_over_every_example(devices, parallel):
     assert float(values["mean_error"]) == pytest.approx(np.mean(errors), rel=1e-5)
 
 
-@pytest.mark.parametrize("devices", [1, 4])
-def test_eval_median_counts_every_example_once_for_any_batch_size(devices):
-    trainer = frozen_trainer(devices, train=False)
+@pytest.mark.parametrize(
+    "devices, parallel", [(1, "shard_map"), (4, "shard_map"), (4, "pmap")], ids=str
+)
+def test_eval_median_counts_every_example_once_for_any_batch_size(devices, parallel):
+    trainer = frozen_trainer(devices, parallel, train=False)
     rng = np.random.default_rng(1)
     trainer.train_step(None, *[[a] for a in make_batch(rng)])
     x, y = make_batch(rng, 23)
@@ -169,25 +171,23 @@ def test_values_read_later_than_newer_ones_keep_their_step(monkeypatch):
 def test_pending_values_stay_bounded_without_readers(monkeypatch):
     monkeypatch.setattr(_host_metrics, "MAX_PENDING", 8)
     fetched = count_fetches(monkeypatch)
-    copied = []
-    real_copy = _host_metrics._Stream.copy_async
-    monkeypatch.setattr(
-        _host_metrics._Stream,
-        "copy_async",
-        lambda stream, through: (copied.append(through), real_copy(stream, through)),
-    )
     trainer = frozen_trainer(1, eval_=False)
-    host = trainer._steps.host_train  # the trainer's pending values, to check their bound
+    stream = trainer._steps.host_train._stream  # the trainer's pending values, to check them
     rng = np.random.default_rng(4)
-    errors = []
+    errors, copying = [], []
     for _ in range(30):
         x, y = make_batch(rng)
         values = trainer.train_step(None, [x], [y])
         errors.append(host_errors(trainer, x, y))
-        assert len(host._stream.pending) < 8
-    # Folded 4 steps at a time (8 pending -> 4), each after its copy started 4 steps before.
+        assert len(stream.pending) < 8
+        copying.append(stream.copying)
+    # Copies to the host start 4 steps at a time, 4 steps before those steps are folded
+    # (8 pending -> 4): the fold of steps 0-3 at step 7 reads copies started at step 3.
+    assert (
+        copying
+        == [-1, -1, -1] + [3] * 4 + [7] * 4 + [11] * 4 + [15] * 4 + [19] * 4 + [23] * 4 + [27] * 3
+    )
     assert fetched == [4] * 6
-    assert copied == [3, 7, 11, 15, 19, 23, 27]
     assert float(values["median_error"]) == pytest.approx(np.median(errors), rel=1e-6)
     assert fetched == [4] * 6 + [6]
 
