@@ -1,9 +1,11 @@
-"""Metrics computed inside the compiled train and eval steps.
+"""Metrics for the train and eval steps.
 
-A metric is a `Metric` object with pure functions over a pytree state (see `Metric`).
-Built-ins: `Mean` and `MovingAverage` over any `fn(labels, predictions)`, and the
-accuracies `SparseCategoricalAccuracy`, `BinaryAccuracy`, `BinaryLogitsAccuracy` with
-their `MovingAverage...` variants.
+A metric is a `Metric` object with pure functions over a pytree state, computed inside
+the compiled step (see `Metric`), or a `HostMetric`, whose values leave the compiled step
+unread and are folded into a host-side state only when something reads the metric.
+Built-ins: `Mean` and `MovingAverage` over any `fn(labels, predictions)`, the accuracies
+`SparseCategoricalAccuracy`, `BinaryAccuracy`, `BinaryLogitsAccuracy` with their
+`MovingAverage...` variants, and the host metric `StreamingMedian` (with `median_loss`).
 """
 
 from ._accuracy import BinaryAccuracy as BinaryAccuracy
@@ -17,14 +19,19 @@ from ._accuracy import SparseCategoricalAccuracy as SparseCategoricalAccuracy
 from ._base import Metric as Metric
 from ._base import format_number as format_number
 from ._base import format_percent as format_percent
+from ._host import HostMetric as HostMetric
 from ._mean import Mean as Mean
 from ._mean import MeanState as MeanState
 from ._mean import MovingAverage as MovingAverage
 from ._mean import MovingAverageState as MovingAverageState
+from ._median import StreamingMedian as StreamingMedian
+from ._median import StreamingMedianState as StreamingMedianState
+from ._median import median_loss as median_loss
 
 __all__ = [
     "BinaryAccuracy",
     "BinaryLogitsAccuracy",
+    "HostMetric",
     "Mean",
     "MeanState",
     "Metric",
@@ -34,6 +41,9 @@ __all__ = [
     "MovingAverageSparseCategoricalAccuracy",
     "MovingAverageState",
     "SparseCategoricalAccuracy",
+    "StreamingMedian",
+    "StreamingMedianState",
     "format_number",
     "format_percent",
+    "median_loss",
 ]

@@ -33,6 +33,7 @@ class EvalSteps:
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
         self._eval_states = None
+        self._steps.config.host_eval.reset()  # host metrics' states
 
     def _fresh_eval_states(self) -> Any:
         fresh = self._steps.fresh_eval_metrics()
@@ -70,6 +71,8 @@ class EvalSteps:
         strategy = self._strategy
         inputs, labels = strategy.global_batch(inputs), strategy.global_batch(labels)
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
+        if self._steps.config.host_eval:  # host metrics: their step values wait, unread
+            return self._steps.config.host_eval.results(self.eval_metric_names, values)
         return dict(zip(self.eval_metric_names, values))
 
     def _eval_uneven_batch(
@@ -85,6 +88,8 @@ class EvalSteps:
             self._eval_states = self._fresh_eval_states()
         pieces = self._globalize(split_uneven_batch(inputs, labels, self._strategy.local_devices))
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
+        if self._steps.config.host_eval:  # host metrics: their step values wait, unread
+            return self._steps.config.host_eval.results(self.eval_metric_names, values)
         return dict(zip(self.eval_metric_names, values))
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:

@@ -19,6 +19,7 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
+from ._host_metrics import HostMetrics
 from ._parallel import AXIS, Strategy
 from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
@@ -129,7 +130,10 @@ class StepConfig:
     Attributes:
       loss_fn: `loss_fn(labels, predictions)`, or None when the model adds its losses.
       optimizer: the optax transformation.
-      train_metrics, eval_metrics: the user's metric objects.
+      train_metrics, eval_metrics: the user's compiled metric objects.
+      host_train, host_eval: the user's host metrics (`loopax.metrics.HostMetric`): the
+        steps return their step values, unread (see `_host_metrics`). The same objects
+        across configs: they hold the host states.
       strategy: the parallel strategy (how gradients become the mean over devices).
       per_step_updates: `fn(params) -> params`, applied after each update.
       skip_non_finite: a step whose loss or gradient is not finite changes nothing.
@@ -143,6 +147,8 @@ class StepConfig:
     train_metrics: tuple
     eval_metrics: tuple
     strategy: Strategy
+    host_train: HostMetrics
+    host_eval: HostMetrics
     per_step_updates: tuple = ()
     skip_non_finite: bool = False
     accumulate: bool = False
@@ -287,13 +293,14 @@ class StepBuilder:
                 state, model_state, spec, rng, micro_inputs, micro_labels, scale, index
             )
             user_states = self._update_metrics(metrics, user_states, micro_labels, predictions)
+            host_values = self.config.host_train.step_values(micro_labels, predictions)
             carry = (
                 jax.tree.map(jnp.add, grad_sum, grads),
                 loss_sum + self.collectives.pmean(local_loss),
                 self.collectives.reduce(new_model_state),
                 user_states,
             )
-            return carry, None
+            return carry, host_values
 
         start = (
             jax.tree.map(jnp.zeros_like, state.params),
@@ -302,11 +309,11 @@ class StepBuilder:
             tuple(state.train_metrics[1:]),
         )
         indices = jnp.arange(count, dtype=jnp.int32)
-        (grad_sum, loss_sum, model_state, user_states), _ = jax.lax.scan(
+        (grad_sum, loss_sum, model_state, user_states), host_values = jax.lax.scan(
             micro_step, start, (indices, list(inputs), list(labels))
         )
         grads = jax.tree.map(lambda g: g / count, grad_sum)
-        return grads, loss_sum / count, model_state, user_states
+        return grads, loss_sum / count, model_state, user_states, host_values
 
     def train(self, spec, rng, state: TrainState, inputs, labels):
         """Per-device: one optimizer step on this device's shard of the global batch (of
@@ -322,7 +329,7 @@ class StepBuilder:
         elif config.loss_scale is not None:
             scale = jnp.float32(config.loss_scale)
         if config.accumulate:
-            grads, loss, new_model_state, user_states = self._accumulated(
+            grads, loss, new_model_state, user_states, host_values = self._accumulated(
                 state, spec, rng, inputs, labels, scale
             )
         else:
@@ -334,6 +341,7 @@ class StepBuilder:
             user_states = self._update_metrics(
                 config.train_metrics, state.train_metrics[1:], labels, predictions
             )
+            host_values = None
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = config.optimizer.update(grads, state.opt_state, state.params)
@@ -372,6 +380,13 @@ class StepBuilder:
             values = (*values, self.loss_average.skipped(loss_average))
         if config.loss_scale is not None:
             values = (*values, scale)
+        # Host metrics' step values, returned unread (a skipped step's are left out).
+        if config.host_train:
+            if host_values is None:
+                host_values = config.host_train.step_values(labels, predictions, ok)
+            else:
+                host_values = tuple(v.of_micro_batches(ok) for v in host_values)
+            values = (*values, *host_values)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -420,6 +435,7 @@ class StepBuilder:
         if inputs is not None:
             divisible = self._eval_partials(spec, rng, state, inputs, labels)
             merges = (add_mean_states, *(m.merge for m in self.config.eval_metrics))
+            merges = (*merges, *self.config.host_eval.merges)  # host step values concatenate
             partials = tuple(
                 merge(a, b) for merge, a, b in zip(merges, divisible, partials, strict=True)
             )
@@ -444,6 +460,7 @@ class StepBuilder:
                 self.collectives.merge(metric.merge, metric.update(labels, predictions), valid)
                 for metric in self.config.eval_metrics
             ),
+            *self.config.host_eval.step_values(labels, predictions, valid),  # host metrics'
         )
 
     def _accumulate_eval(self, metric_states, partials):
@@ -452,12 +469,13 @@ class StepBuilder:
         user_states = tuple(
             metric.accumulate(metric_state, partial)
             for metric, metric_state, partial in zip(
-                metrics, metric_states[1:], partials[1:], strict=True
+                metrics, metric_states[1:], partials[1 : 1 + len(metrics)], strict=True
             )
         )
         values = (
             mean_of(loss_state),
             *(m.compute(s) for m, s in zip(metrics, user_states, strict=True)),
+            *partials[1 + len(metrics) :],  # host metrics' step values
         )
         return (loss_state, *user_states), values
 

@@ -18,6 +18,7 @@ from ._context import ModelFn
 from ._datasets import as_list
 from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._host_metrics import split_host_metrics
 from ._models import adapt, no_parameters_message
 from ._parallel import AXIS, choose
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
@@ -55,8 +56,10 @@ class Trainer(StateAccess, EvalSteps, Predict):
       loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
         or None when the model adds its losses with `ctx.add_loss`.
       optimizer: an `optax.GradientTransformation`.
-      train_metrics: `loopax.metrics.Metric` objects updated in every train step.
-      eval_metrics: `loopax.metrics.Metric` objects updated in every eval step.
+      train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every
+        train step.
+      eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every eval
+        step.
       seed: seeds parameter initialization and the per-step RNG.
       init_params: start from these parameters (nested dicts of arrays, e.g.
         `loopax.load_params(directory)`) instead of fresh ones; they must have the model's
@@ -138,12 +141,18 @@ class Trainer(StateAccess, EvalSteps, Predict):
         self.seed = seed
         self._model = adapted
         self._init_params = None if init_params is None else jax.tree.map(np.asarray, init_params)
+        # Host metrics (loopax.metrics.HostMetric) only return step values; see _host_metrics.
+        num_devices = self._strategy.num_devices
+        compiled_train, host_train = split_host_metrics(self.train_metrics, AXIS, num_devices)
+        compiled_eval, host_eval = split_host_metrics(self.eval_metrics, AXIS, num_devices)
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=optimizer,
-            train_metrics=self.train_metrics,
-            eval_metrics=self.eval_metrics,
+            train_metrics=compiled_train,
+            eval_metrics=compiled_eval,
             strategy=self._strategy,
+            host_train=host_train,
+            host_eval=host_eval,
             accumulate=self.accumulate_steps > 1,
             compute_dtype=dtype,
             loss_scale=self.loss_scale,
@@ -276,6 +285,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
+        self._steps.config.host_train.reset()  # host metrics' states
         if self._state is None:
             return
         placed = self._strategy.place_state(self._steps.fresh_train_metrics())
@@ -391,6 +401,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
             inputs, labels = strategy.global_batch(inputs, micro), strategy.global_batch(labels, micro)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
+        host_train = self._steps.config.host_train
+        if host_train:  # host metrics: their step values wait, unread
+            return host_train.results(self._step_metric_names, values)
         return dict(zip(self._step_metric_names, values, strict=True))
 
     def __repr__(self) -> str:

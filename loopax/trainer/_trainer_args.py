@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ._host_metrics import is_host_metric
+
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
 SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
@@ -17,6 +19,7 @@ def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) 
     names = list(reserved)
     for metric in metrics:
         missing = [m for m in _METRIC_METHODS if not callable(getattr(metric, m, None))]
+        missing = [] if is_host_metric(metric) else missing  # a loopax.metrics.HostMetric
         if missing or not isinstance(getattr(metric, "name", None), str):
             raise TypeError(
                 f"{kind} metric {metric!r} does not follow the loopax.metrics.Metric protocol "
