@@ -30,6 +30,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--accumulate-steps", type=int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the dtype the model computes in (parameters stay float32)",
+    )
+    parser.add_argument(
         "--model",
         choices=("mlp", "nnx"),
         default="mlp",
@@ -137,6 +146,9 @@ def main(argv: list[str] | None = None) -> float:
         eval_metrics=[metrics.SparseCategoricalAccuracy()],
         seed=args.seed,
         devices=jax.devices()[: args.devices],
+        accumulate_steps=args.accumulate_steps,
+        compute_dtype=None if args.compute_dtype == "float32" else args.compute_dtype,
+        loss_scale="dynamic" if args.compute_dtype == "float16" else None,
     )
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(
