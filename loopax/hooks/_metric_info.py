@@ -26,8 +26,13 @@ _BUILTINS = {
     "mean_loss": ("Mean Loss", "#loss"),
     "skipped_steps": ("Skipped Steps", "skipped"),
     "learning_rate": ("Learning Rate", "lr"),
+    "loss_scale": ("Loss Scale", "scale"),
 }
-_BUILTIN_TYPES = {"skipped_steps": "count", "learning_rate": "learning_rate"}
+_BUILTIN_TYPES = {
+    "skipped_steps": "count",
+    "learning_rate": "learning_rate",
+    "loss_scale": "loss_scale",
+}
 
 
 @dataclasses.dataclass(frozen=True)
