@@ -150,7 +150,7 @@ class Mean(Metric):
     def __init__(
         self, name: str, fn: MetricFn, *, short_name: str | None = None, metric_type: str = ""
     ):
-        _check_name_and_fn(name, fn)
+        check_name_and_fn(name, fn)
         self.name = name
         self.short_name = name if short_name is None else short_name
         self.metric_type = metric_type
@@ -230,7 +230,7 @@ class MovingAverage(Metric):
         short_name: str | None = None,
         metric_type: str = "",
     ):
-        _check_name_and_fn(name, fn)
+        check_name_and_fn(name, fn)
         if not 0.0 < new_example_weight <= 1.0:
             raise ValueError(
                 f"MovingAverage {name!r}: new_example_weight={new_example_weight} must be in "
@@ -297,7 +297,7 @@ def moving_average_step(
     )
 
 
-def _check_name_and_fn(name: str, fn: MetricFn) -> None:
+def check_name_and_fn(name: str, fn: MetricFn) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(
             f"a metric needs a non-empty name (its key in the metrics dict), got {name!r}"

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._host import HostMetric
+from ._mean import check_name_and_fn
 
 MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 
@@ -85,14 +86,7 @@ class StreamingMedian(HostMetric):
         short_name: str | None = None,
         metric_type: str = "",
     ):
-        if not isinstance(name, str) or not name:
-            raise ValueError(
-                f"a metric needs a non-empty name (its key in the metrics dict), got {name!r}"
-            )
-        if not callable(fn):
-            raise TypeError(
-                f"metric {name!r}: fn must be callable as fn(labels, predictions), got {fn!r}"
-            )
+        check_name_and_fn(name, fn)
         if isinstance(sample_size, bool) or not isinstance(sample_size, (int, np.integer)):
             raise ValueError(
                 f"StreamingMedian {name!r}: sample_size must be an int, got {sample_size!r}; "
