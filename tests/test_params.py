@@ -40,7 +40,7 @@ def trained(tmp_path):
 
 def assert_same(want, got):
     assert jax.tree.structure(want) == jax.tree.structure(got)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         assert isinstance(b, np.ndarray)
         np.testing.assert_array_equal(a, b)
 

@@ -146,8 +146,9 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The step of the best checkpoint on disk by `best_metric`, or None (no
-        `best_metric`, or no checkpoint holds its value).
+        """The step of the best checkpoint on disk by `best_metric`, or None.
+
+        None when there is no `best_metric`, or no checkpoint holds its value.
 
         Raises:
           ValueError: the hook was attached without `best_metric`.
@@ -158,15 +159,15 @@ class Checkpointer:
                 "'eval/test/mean_loss')"
             )
         self.wait()
-        values = self._read_best_values()
+        values = self._read_best_values(self.best_metric)
         if not values:
             return None
         pick = min if self.best_mode == "min" else max
         return pick(sorted(values), key=lambda step: values[step])
 
-    def _read_best_values(self) -> dict[int, float]:
+    def _read_best_values(self, best_metric: str) -> dict[int, float]:
         if self._best_values is None:
-            self._best_values = read_metric_values(self._manager, self._ocp, self.best_metric)
+            self._best_values = read_metric_values(self._manager, self._ocp, best_metric)
         on_disk = set(self.all_steps())
         return {step: v for step, v in self._best_values.items() if step in on_disk}
 
@@ -355,8 +356,9 @@ class Checkpointer:
         return step
 
     def restore_best(self) -> int | None:
-        """Restores the best checkpoint by `best_metric` (see `best_step`), like
-        `restore(best_step())`; returns its step, or None when none holds the metric.
+        """Restores the best checkpoint by `best_metric` (see `best_step`).
+
+        Like `restore(best_step())`; returns its step, or None when none holds the metric.
 
         Raises:
           ValueError: the hook was attached without `best_metric`.

@@ -113,9 +113,10 @@ class NTimes(Schedule):
 
 
 class Exponential(Schedule):
-    """Fires on an absolute grid of steps whose gaps grow by `factor`: `start_step`, then
-    `next += gap; gap = round_half_away_from_zero(gap * factor)` (100, 1.2: 100, 220, 364,
-    537, 745, ...).
+    """Fires on an absolute grid of steps whose gaps grow by `factor`.
+
+    The grid: `start_step`, then `next += gap; gap = round_half_away_from_zero(gap * factor)` (100,
+    1.2: 100, 220, 364, 537, 745, ...).
 
     The grid is absolute: a resumed run lands on it, and a grid point equal to the first
     step of a run still fires. Fires at most once per step, catching up one step at a time
@@ -149,8 +150,9 @@ class Exponential(Schedule):
 
 
 class ClockSchedule(Schedule):
-    """Fires when `period_seconds` of `clock` passed since it last fired (or at its first
-    step with `fire_first`), reading the clock only every so often.
+    """Fires when `period_seconds` of `clock` passed since it last fired.
+
+    With `fire_first` it also fires at its first step. It reads the clock only every so often.
 
     A clock reading on every step would cost every step; instead it measures how fast its
     clock runs per step and asks again after half the steps it predicts are left (at most
@@ -258,8 +260,10 @@ class AtSteps(Schedule):
 
 
 class FirstNSteps(Schedule):
-    """Fires at each of the first `n` steps of every run, or with `of_process=True` of this
-    process (counted across its runs: the first steps after a restart, e.g. to watch them).
+    """Fires at each of the first `n` steps of every run, or of this process.
+
+    With `of_process=True` the steps are counted across this process's runs: the first steps after a
+    restart, e.g. to watch them.
 
     Raises:
       ValueError: `n` is not a positive int.
@@ -292,8 +296,9 @@ class FirstNSteps(Schedule):
 
 
 class EveryNEpochs(Schedule):
-    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`
-    (epochs 0-based in the run: at the ends of epochs n-1, 2n-1, ...).
+    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`.
+
+    Epochs are 0-based in the run: it fires at the ends of epochs n-1, 2n-1, ...
 
     Raises:
       ValueError: `n` is not a positive int.

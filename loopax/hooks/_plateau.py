@@ -16,6 +16,7 @@ from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
 from ._monitor import MetricMonitor, check_count, check_number
+from ._train_state import state_of
 
 _logger = logging.getLogger("loopax")
 
@@ -28,8 +29,9 @@ _CONTRIB_NOTE = (
 
 
 class ReduceLROnPlateau(MetricMonitor):
-    """Multiplies the learning rate by `factor` once `monitor` has not improved for
-    `patience` checks; created by `reduce_lr_on_plateau` (read it for the rules).
+    """Multiplies the learning rate by `factor` once `monitor` has not improved for a while.
+
+    That is, for `patience` checks; created by `reduce_lr_on_plateau` (read it for the rules).
 
     Attributes:
       monitor, mode, min_delta, checks, last_step: see `MetricMonitor`.
@@ -80,9 +82,7 @@ class ReduceLROnPlateau(MetricMonitor):
 
     @property
     def learning_rate(self) -> float | None:
-        """The optimizer's live learning rate (reads the device), or None before the first
-        step.
-        """
+        """The optimizer's live learning rate (reads the device), or None before the first step."""
         return self.trainer.learning_rate
 
     def on_value(self, loop: Loop, step: int, value: float) -> None:
@@ -102,7 +102,8 @@ class ReduceLROnPlateau(MetricMonitor):
         trainer = loop.trainer
         old = trainer.learning_rate
         if old is None:  # the registration's check makes this unreachable; say why anyway
-            check_optimizer_state(trainer.state.opt_state, self.name, _CONTRIB_NOTE)
+            check_optimizer_state(state_of(trainer, self.name).opt_state, self.name, _CONTRIB_NOTE)
+            raise RuntimeError(f"{self.name}: the trainer's optimizer has no learning rate to set")
         # The rate is a float32 in the optimizer state: compare at that precision.
         if old <= float(np.float32(self.min_lr)):
             return
@@ -152,8 +153,9 @@ def reduce_lr_on_plateau(
     min_lr: float = 0.0,
     mode: str = "auto",
 ) -> ReduceLROnPlateau:
-    """Multiplies the live learning rate by `factor` when `monitor` stalls (Keras's
-    `ReduceLROnPlateau`), without compiling anything again.
+    """Multiplies the live learning rate by `factor` when `monitor` stalls.
+
+    Keras's `ReduceLROnPlateau`, without compiling anything again.
 
     `monitor` is checked at every evaluation of its dataset for `"eval/<dataset>/<metric>"`
     (from `hooks.evaluate` or any `loop.evaluate`), or at every epoch end of `run_epochs`

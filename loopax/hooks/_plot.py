@@ -71,7 +71,7 @@ def render_plots(points: list[Point], directory: str) -> list[str]:
         )
         for name, xy in train_first:
             xy = sorted(dict(xy).items())  # one value per step, the last written wins
-            steps, ys = zip(*xy)
+            steps, ys = zip(*xy, strict=True)
             values += ys
             if name.startswith(_TRAIN_PREFIX):
                 axes.plot(steps, ys, "-", marker=".", linewidth=1.8, label=name)

@@ -20,7 +20,7 @@ from typing import Any
 from ._metric_info import describe_key
 
 Point = dict[str, Any]
-FIELDS = ("metric", "short", "type", "step", "value")
+FIELDS: tuple[str, ...] = ("metric", "short", "type", "step", "value")
 FORMATS = ("jsonl", "csv")
 
 

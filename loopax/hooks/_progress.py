@@ -203,8 +203,9 @@ class ProgressBar:
             bar.refresh()
 
     def __call__(self, loop: Loop, metrics: Any) -> None:
-        """The OnStep hook, on the steps its `ClockSchedule` picks (every `refresh_seconds`):
-        refreshes the bar.
+        """The OnStep hook: refreshes the bar.
+
+        It runs on the steps its `ClockSchedule` picks (every `refresh_seconds`).
         """
         if self.bar is None:
             return

@@ -147,8 +147,9 @@ class ExponentialRule:
     The grid starts at `next = 0, gap = start_step`; advancing does `next += gap;
     gap = round_half_away_from_zero(gap * factor)`. `start_run(first_step)` positions it on the
     first grid point at or after `first_step`, so a resumed run lands on the same grid as an
-    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)` fires (and advances once) when `step` reached the next
-    point, so a schedule far behind catches up one call at a time.
+    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)`
+    fires (and advances once) when `step` reached the next point, so a schedule far behind
+    catches up one call at a time.
 
     Args:
       start_step: the first grid point and the first gap, a positive int.

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 
 from ._base import Metric
 
-MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
-
 
 class MeanState(NamedTuple):
     """Running (or one batch's) weighted sum and total weight of a mean.
@@ -28,6 +26,11 @@ class MeanState(NamedTuple):
     weight: jax.Array
 
 
+# `fn(labels, predictions)`: per-example values, their mean, or a `MeanState` of its own
+# weighting (masks, weights).
+MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], "jax.Array | MeanState"]
+
+
 class MovingAverageState(NamedTuple):
     """Running state of `MovingAverage`.
 
@@ -37,7 +40,8 @@ class MovingAverageState(NamedTuple):
     """
 
     mean: jax.Array
-    count: jax.Array
+    # A public field name: reading `state.count` gives the batches, not tuple.count.
+    count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 def zero_mean_state() -> MeanState:

@@ -1,5 +1,6 @@
-"""The `Dataset` protocol, `ArrayDataset` (in-memory arrays), and the helpers every reader of
-datasets shares; iterables (grain's too) are in `_iterables`.
+"""The `Dataset` protocol, `ArrayDataset`, and helpers every reader of datasets shares.
+
+`ArrayDataset` holds in-memory arrays; iterables (grain's too) are in `_iterables`.
 """
 
 from __future__ import annotations
@@ -246,8 +247,7 @@ def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
 
 
 def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
-    """Every batch `dataset` yields from where it is, each checked to be `(spec, inputs,
-    labels)`.
+    """Every batch `dataset` yields from where it is, each checked to be `(spec, inputs, labels)`.
 
     Raises:
       ValueError: a batch is not `(spec, inputs, labels)`.

@@ -801,7 +801,7 @@ def test_every_n_epochs_fires_after_the_step_hooks_of_the_epochs_last_step(loop)
     assert epoch_events == [("epoch", 1, 8, 20, True), ("epoch", 3, 16, 20, True)]
     # After every OnStep hook of the epoch's last step (even one of a later band), before
     # the next epoch's first step.
-    for event, last_step in zip(epoch_events, (7, 15)):
+    for event, last_step in zip(epoch_events, (7, 15), strict=True):
         at = events.index(event)
         assert events[at - 1] == ("step", last_step)
         assert events[at + 1] == ("step", last_step + 1)
@@ -1030,7 +1030,7 @@ def brute_force_firings(hook_specs, epoch_period, runs, first_step, new_loop_per
 
     def visit(step):
         fake.loop_step = step
-        for hook_parts, hook_fired in zip(hook_parts_list, fired):
+        for hook_parts, hook_fired in zip(hook_parts_list, fired, strict=True):
             answers = [part.should_fire(fake) for part in hook_parts]  # no short-circuit
             if any(answers):
                 hook_fired.append(step)
