@@ -7,6 +7,7 @@ helps test code built on them.
 """
 
 import importlib
+import types
 from typing import TYPE_CHECKING
 
 from ._params import load_params as load_params
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 _SUBPACKAGES = ("hooks", "losses", "metrics", "optimizers", "testing")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> types.ModuleType:
     # Subpackages load on first use, so `import loopax` stays light (no Orbax or
     # TensorBoard import until a hook needs them).
     if name in _SUBPACKAGES:

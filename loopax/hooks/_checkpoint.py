@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -51,6 +51,9 @@ from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
 from ._metric_info import split_eval_key
 from ._triggers import on_schedule
 
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
+
 _logger = logging.getLogger(__name__)
 
 # The newest Checkpointer of each directory in this process: a new one waits for the saves
@@ -71,10 +74,16 @@ class Checkpointer:
       restored_step: the step restored when attached (or by `restore`), or None.
     """
 
+    trainer: Trainer
+    keep: int | None
+    keep_best: int
+    keep_period: int | None
+    directory: Path
+
     def __init__(
         self,
         loop: Loop,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         keep: int | None = 3,
         best_metric: str | None = None,
@@ -213,7 +222,7 @@ class Checkpointer:
             return {getattr(dataset, "name", "dataset"): dataset.get_state()}
         return {}
 
-    def save(self, metrics: dict | None = None) -> int | None:
+    def save(self, metrics: dict[str, Any] | None = None) -> int | None:
         """Saves the current state at `trainer.global_step`, asynchronously.
 
         The arrays are copied off the device now; once the hooks of the current step have
@@ -405,7 +414,7 @@ class Checkpointer:
 
 def checkpoint(
     loop: Loop,
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     keep: int | None = 3,
     every_n_steps: int | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,9 @@ from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of
+
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -53,6 +56,10 @@ class EarlyStopping(MetricMonitor):
       restored_step: the step whose parameters were put back at the end of the last run,
         or None when none were.
     """
+
+    patience: int
+    baseline: float | None
+    trainer: Trainer
 
     def __init__(
         self,

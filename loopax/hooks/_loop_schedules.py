@@ -33,6 +33,9 @@ class EveryNSteps(Schedule):
       ValueError: `n` is not a positive int.
     """
 
+    rule: EveryNStepsRule
+    n: int
+
     def __init__(self, n: int):
         self.rule = EveryNStepsRule(n)
         self.n = self.rule.n
@@ -59,6 +62,10 @@ class NTimes(Schedule):
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    rule: NTimesRule
+    n: int
+    run_end_step: int
 
     def __init__(self, n: int):
         self.rule = NTimesRule(n)
@@ -126,6 +133,10 @@ class Exponential(Schedule):
       ValueError: `start_step` is not a positive int or `factor` not a finite number > 1.
     """
 
+    rule: ExponentialRule
+    start_step: int
+    factor: float
+
     def __init__(self, start_step: int, factor: float):
         self.rule = ExponentialRule(start_step, factor)
         self.start_step = self.rule.start_step
@@ -160,6 +171,8 @@ class ClockSchedule(Schedule):
     `MAX_AHEAD` steps late if the steps suddenly slow down. `last` is read after the callback
     returned, so slow callbacks and paused time are not caught up.
     """
+
+    period_seconds: float
 
     MAX_AHEAD = 32
 
@@ -236,6 +249,8 @@ class AtSteps(Schedule):
       ValueError: `steps` is empty or holds something other than positive ints.
     """
 
+    steps: tuple[int, ...]
+
     def __init__(self, steps: Iterable[int]):
         if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
             raise ValueError(
@@ -268,6 +283,9 @@ class FirstNSteps(Schedule):
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    n: int
+    of_process: bool
 
     def __init__(self, n: int, *, of_process: bool = False):
         self.n = _check_positive_int("n", n)
@@ -303,6 +321,8 @@ class EveryNEpochs(Schedule):
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    n: int
 
     checks_every_step = True  # asked at every epoch end
     at_epoch_end = True

@@ -104,6 +104,16 @@ class MetricMonitor(abc.ABC):
       wait: checks without an improvement (each hook says since what).
     """
 
+    dataset: str | None
+    metric: str
+    mode: str
+    min_delta: float
+    name: str
+    checks: int
+    wait: int
+    best: float | None
+    best_step: int | None
+
     def __init__(self, loop: Loop, hook: str, monitor: Any, mode: Any, min_delta: float):
         if not isinstance(loop, Loop):
             raise TypeError(f"{hook} needs a loopax.Loop, got {type(loop).__name__}")

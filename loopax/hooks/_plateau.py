@@ -8,7 +8,7 @@ value of an input of the compiled step: nothing is compiled again.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,6 +17,9 @@ from ..trainer._loop import Loop
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of
+
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -42,6 +45,12 @@ class ReduceLROnPlateau(MetricMonitor):
       cooldown_counter: checks left before the wait counts again after a reduction.
       reductions: `[(global step, new learning rate), ...]`, one per reduction.
     """
+
+    patience: int
+    cooldown: int
+    cooldown_counter: int
+    min_lr: float
+    trainer: Trainer
 
     def __init__(
         self,

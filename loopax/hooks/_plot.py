@@ -112,6 +112,8 @@ class Plotter(MetricWriter):
     run) waits for it.
     """
 
+    points_path: str
+
     def __init__(self, directory: str, trainer: Any, render: bool):
         self.directory = directory
         self.trainer = trainer
@@ -198,7 +200,7 @@ class _OwnEvaluations:
 
 def plot(
     loop: Loop,
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     eval_datasets: Any = (),
     start_step: int = 10,

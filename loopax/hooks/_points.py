@@ -64,6 +64,9 @@ class PointsFile:
       file_format: `"jsonl"` or `"csv"`.
     """
 
+    path: str
+    file_format: str
+
     def __init__(self, path: str, file_format: str):
         self.path = os.fspath(path)
         self.file_format = format_from_path(self.path, file_format)

@@ -55,6 +55,8 @@ class EveryNStepsRule:
       [9, 19, 29]
     """
 
+    n: int
+
     def __init__(self, n: int):
         self.n = _check_positive_int("n", n)
 
@@ -89,6 +91,8 @@ class NTimesRule:
       >>> schedule.points(10)
       [4, 7, 10]
     """
+
+    n: int
 
     def __init__(self, n: int):
         self.n = _check_positive_int("n", n)
@@ -164,6 +168,11 @@ class ExponentialRule:
       >>> [step for step in range(1000) if schedule.should_fire(step)]
       [100, 220, 364, 537, 745, 995]
     """
+
+    start_step: int
+    factor: float
+    next_step: int
+    gap: int
 
     def __init__(self, start_step: int, factor: float):
         self.start_step = _check_positive_int("start_step", start_step)

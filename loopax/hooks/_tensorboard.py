@@ -136,8 +136,10 @@ class TensorBoardWriter(MetricWriter):
       max_pending: hand the collected writes over once this many are waiting.
     """
 
+    logdir: str
+
     def __init__(
-        self, logdir: str | os.PathLike, *, flush_seconds: float = 10.0, max_pending: int = 64
+        self, logdir: str | os.PathLike[str], *, flush_seconds: float = 10.0, max_pending: int = 64
     ):
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
@@ -301,7 +303,7 @@ class TensorBoardWriter(MetricWriter):
 
 def tensorboard(
     loop: Loop,
-    logdir: str | os.PathLike,
+    logdir: str | os.PathLike[str],
     *,
     every_n_steps: int = 100,
     histograms_every_n_steps: int | None = None,

@@ -151,6 +151,8 @@ class Mean(Metric):
       '0.5'
     """
 
+    short_name: str
+
     def __init__(
         self, name: str, fn: MetricFn, *, short_name: str | None = None, metric_type: str = ""
     ):
@@ -224,6 +226,9 @@ class MovingAverage(Metric):
       >>> float(ma.compute(state))  # (4 + 2) / 2 = 3, then 3 * 0.5 + 1 * 0.5
       2.0
     """
+
+    short_name: str
+    new_example_weight: float
 
     def __init__(
         self,

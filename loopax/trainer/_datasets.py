@@ -80,6 +80,11 @@ class ArrayDataset:
       ([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3])
     """
 
+    inputs: list[np.ndarray]
+    labels: list[np.ndarray]
+    num_examples: int
+    batch_size: int
+
     def __init__(
         self,
         inputs: Any,
@@ -163,11 +168,11 @@ class ArrayDataset:
         if self._position > 0:
             self._next_epoch()
 
-    def get_state(self) -> dict:
+    def get_state(self) -> dict[str, Any]:
         """Returns the position (epoch and offset) as a JSON-serializable dict."""
         return {"epoch": self._epoch, "position": self._position, "seed": self.seed}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         """Restores a position returned by `get_state`.
 
         Raises:

@@ -116,6 +116,10 @@ class AnyOf(Schedule):
       TypeError: an element is not a `Schedule`, or epoch-end and step schedules are mixed.
     """
 
+    schedules: tuple[Schedule, ...]
+    at_epoch_end: bool
+    checks_every_step: bool
+
     def __init__(self, *schedules: Schedule):
         flat: list[Schedule] = []
         for schedule in schedules:
@@ -186,6 +190,15 @@ class Hook:
       check_finite: whether the loop checks that every step's loss so far is finite
         before calling it.
     """
+
+    phase: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int
+    order: int
+    schedule: Schedule | None
+    check_finite: bool
+    next: int
 
     __slots__ = ("phase", "name", "fn", "priority", "order", "schedule", "check_finite", "next")
 

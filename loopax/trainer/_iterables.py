@@ -111,6 +111,8 @@ class IterableDataset:
       {'iterator': None}
     """
 
+    can_reset: bool
+
     def __init__(self, source: Iterable[Any] | Callable[[], Iterator[Any]], *, name: str):
         if isinstance(source, Iterator):
             raise TypeError(
