@@ -1,6 +1,7 @@
 """The trigger helpers through a real `loopax.Loop` and `loopax.Trainer`."""
 
 import json
+import re
 import warnings
 
 import flax.linen as nn
@@ -1085,15 +1086,22 @@ def loop_firings(trainer, hook_specs, epoch_period, runs, new_loop_per_run):
         return loop
 
     loop, forever = new_loop(), make_dataset(8)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", r"hooks .* run at epoch ends", RuntimeWarning)
+    # A loop with an epoch hook warns once, at its first run_steps that runs a step.
+    loop_number, loops_that_warn = 0, set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for index, run in enumerate(runs):
             if new_loop_per_run and index:
-                loop = new_loop()
+                loop, loop_number = new_loop(), loop_number + 1
             if run[0] == "steps":
+                if epoch_period and run[1]:
+                    loops_that_warn.add(loop_number)
                 loop.run_steps(forever, run[1])
             else:
                 loop.run_epochs(make_dataset(run[1], loop_forever=False), run[2])
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == len(loops_that_warn), messages
+    assert all(re.search(r"hooks .* run at epoch ends", message) for message in messages)
     return fired, epoch_fired
 
 
