@@ -96,8 +96,9 @@ def make_batches(
 
 
 def host_arrays(batches: Sequence[Batch], steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """The inputs and labels of `steps` cycled batches as two numpy arrays, in order: the
-    data as a Keras or loopax user holds it before training (on the host).
+    """The inputs and labels of `steps` cycled batches as two numpy arrays, in order.
+
+    This is the data as a Keras or loopax user holds it before training (on the host).
     """
     order = [batches[index % len(batches)] for index in range(steps)]
     return (
@@ -128,9 +129,11 @@ class CyclingDataset:
 
 
 def _hand_written_step(workload: Workload, axis_name: str | None, moving_average: bool = False):
-    """A step `(state, x, y) -> (state, loss)`; with `moving_average`, the state also keeps
-    the loss's moving average as `Trainer.train_step` does (weight `max(0.01, 1/count)`)
-    and the step returns `(loss, average)`: what every loopax step computes beyond it.
+    """A step `(state, x, y) -> (state, loss)`.
+
+    With `moving_average`, the state also keeps the loss's moving average as `Trainer.train_step`
+    does (weight `max(0.01, 1/count)`) and the step returns `(loss, average)`: what every loopax
+    step computes beyond it.
     """
     model = workload.module()
     optimizer = workload.optimizer()
@@ -200,8 +203,9 @@ def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | N
 def hand_written(
     workload: Workload, batches: Sequence[Batch], steps: int, moving_average: bool = False
 ) -> Run:
-    """The baseline: a jitted step with donated state, as a careful user writes it
-    (`moving_average`: keeping the loss's moving average too, see `_hand_written_step`).
+    """The baseline: a jitted step with donated state, as a careful user writes it.
+
+    `moving_average`: keeping the loss's moving average too, see `_hand_written_step`.
     """
     step, init = _hand_written_step(workload, None, moving_average)
     return _cycle(jax.jit(step, donate_argnums=0), init(batches[0][1][0]), batches, steps, None)
@@ -214,8 +218,9 @@ def hand_written_shard_map(
     devices: Sequence[Any],
     in_flight: int = 4,
 ) -> Run:
-    """The data-parallel baseline: `jax.jit(jax.shard_map(step))` over a 1-D mesh,
-    state replicated and donated, batch split on axis 0, loss and gradients averaged.
+    """The data-parallel baseline: `jax.jit(jax.shard_map(step))` over a 1-D mesh.
+
+    State replicated and donated, batch split on axis 0, loss and gradients averaged.
 
     `batches` should already be sharded with `batch_sharding(devices)`. At most
     `in_flight` steps are dispatched ahead (the loss of the step that many back is waited
@@ -269,9 +274,10 @@ def loopax_loop(
     dataset: Any = None,
     model: Any = None,
 ) -> Run:
-    """Loopax's `Loop.run_steps` over the cycling batches (or over `dataset`, e.g. an
-    `ArrayDataset` of numpy arrays), with `attach(loop)` hooks, training `model` (a model
-    function, a Linen or an NNX module; default: the workload's model function).
+    """Loopax's `Loop.run_steps` over the cycling batches, with `attach(loop)` hooks.
+
+    It reads `dataset` instead when given (e.g. an `ArrayDataset` of numpy arrays) and trains
+    `model` (a model function, a Linen or an NNX module; default: the workload's model function).
     """
     trainer = loopax.Trainer(
         workload.model_fn if model is None else model,
@@ -316,7 +322,9 @@ class Timings:
 
     def paired_ratios(self, name: str, reference: str) -> list[float]:
         """Per-round steps/s of `name` over `reference` (> 1: `name` is faster)."""
-        return [ref / own for own, ref in zip(self.seconds[name], self.seconds[reference])]
+        return [
+            ref / own for own, ref in zip(self.seconds[name], self.seconds[reference], strict=True)
+        ]
 
     def ratio(self, name: str, reference: str) -> float:
         """The median of the paired ratios."""
@@ -392,8 +400,9 @@ def readme_hooks(
 
 
 def split_end_of_run(loop_run: Callable[[], None], loop: Any) -> Callable[[], dict[str, float]]:
-    """Times `loop_run` whole and up to its first OnEnd hook (all steps done, before the
-    end-of-run checkpoint save and the other hooks' end work).
+    """Times `loop_run` whole and up to its first OnEnd hook.
+
+    That is: all steps done, before the end-of-run checkpoint save and the other hooks' end work.
     """
     marks: list[float] = []
     loop.on_end(

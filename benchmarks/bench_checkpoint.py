@@ -2,9 +2,10 @@
 
 For a small state and a ~100 MB one (a 5000x5000 float32 Dense kernel, plain SGD so the
 optimizer adds no state), trains with `loopax.hooks.checkpoint` saving every few steps and
-times the `save` calls made from the loop (the time the loop cannot train). With `gap` seconds of (simulated) training before each
-save, an asynchronous save has finished before the next one; with no gap, saves come back to
-back and a save also waits for the previous one. Run: `python benchmarks/bench_checkpoint.py`.
+times the `save` calls made from the loop (the time the loop cannot train). With `gap`
+seconds of (simulated) training before each save, an asynchronous save has finished before
+the next one; with no gap, saves come back to back and a save also waits for the previous
+one. Run: `python benchmarks/bench_checkpoint.py`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ Run: python benchmarks/bench_nnx.py [--workload tiny] [--steps 4096] [--rounds 7
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ class Mlp(nnx.Module):
         self.layers = nnx.List(
             [
                 nnx.Linear(features_in, features_out, rngs=rngs)
-                for features_in, features_out in zip(dims[:-1], dims[1:])
+                for features_in, features_out in itertools.pairwise(dims)
             ]
         )
 
@@ -59,9 +60,10 @@ def nnx_mlp(workload: Workload) -> Mlp:
 
 
 def nnx_jit(workload: Workload, batches: Sequence[Batch], steps: int) -> Run:
-    """The train step of Flax's NNX docs, `nnx.jit` over the module and its optimizer,
-    cycled over `batches` like the hand-written `jax.jit` baseline (no wait before the
-    round's end).
+    """The train step of Flax's NNX docs, `nnx.jit` over the module and its optimizer.
+
+    It is cycled over `batches` like the hand-written `jax.jit` baseline (no wait before the round's
+    end).
     """
     model = nnx_mlp(workload)
     optimizer = nnx.Optimizer(model, workload.optimizer(), wrt=nnx.Param)

@@ -97,9 +97,10 @@ NNX_TARGET = 0.97  # issue 12, on both workloads
 def keras_fit(
     workload: Any, batches: list, steps: int, steps_per_execution: int, host: bool = False
 ):
-    """Keras 3 `fit` (JAX backend) of the same network on the same batches, one epoch of
-    `steps` steps per round; `host=True` passes them as numpy arrays (Keras's usual input)
-    instead of device arrays. Returns the run, or None and why Keras cannot run.
+    """Keras 3 `fit` (JAX backend) of the same network on the same batches.
+
+    One epoch of `steps` steps per round; `host=True` passes them as numpy arrays (Keras's usual
+    input) instead of device arrays. Returns the run, or None and why Keras cannot run.
     """
     os.environ["KERAS_BACKEND"] = "jax"
     try:

@@ -1,4 +1,4 @@
-"""A custom training set-up: a user-written metric, a spec that switches input shapes, a custom hook.
+"""A custom training set-up: a user-written metric, a spec that switches shapes, a custom hook.
 
     python examples/custom_setup.py
 

@@ -79,8 +79,9 @@ def model_fn(ctx, spec, inputs):
 
 
 def nnx_cnn(seed: int):
-    """Flax NNX's MNIST CNN (its documented example), sized for 8x8 digits: two convolutions
-    with BatchNorm and dropout, average pooling, two linear layers.
+    """Flax NNX's MNIST CNN (its documented example), sized for 8x8 digits.
+
+    Two convolutions with BatchNorm and dropout, average pooling, two linear layers.
     """
     from functools import partial
 

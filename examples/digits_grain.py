@@ -29,10 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def records(inputs, labels) -> list[dict]:
-    """One grain record per example; batching stacks them into {"inputs", "labels"} arrays,
-    a form loopax reads as it is.
+    """One grain record per example.
+
+    Batching stacks them into {"inputs", "labels"} arrays, a form loopax reads as it is.
     """
-    return [{"inputs": image, "labels": label} for image, label in zip(inputs, labels)]
+    return [{"inputs": image, "labels": label} for image, label in zip(inputs, labels, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> float:

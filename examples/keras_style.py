@@ -1,5 +1,7 @@
-"""Digits as a Keras user writes it: epochs with validation, checkpoints, a CSV log, early
-stopping with restore-best, and the learning rate lowered on plateaus.
+"""Digits as a Keras user writes it.
+
+Epochs with validation, checkpoints, a CSV log, early stopping with restore-best, and the learning
+rate lowered on plateaus.
 
     python examples/keras_style.py [--epochs 40] [--dir runs/keras_style]
 

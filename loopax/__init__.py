@@ -2,10 +2,13 @@
 
 A `Trainer` compiles and caches one data-parallel step per dataset spec and input
 shape; a `Loop` runs steps or epochs and fires prioritized hooks. The subpackages
-`hooks`, `losses`, `metrics` and `optimizers` hold the ready-made parts.
+`hooks`, `losses`, `metrics` and `optimizers` hold the ready-made parts; `testing`
+helps test code built on them.
 """
 
 import importlib
+import types
+from typing import TYPE_CHECKING
 
 from ._params import load_params as load_params
 from .trainer import ArrayDataset as ArrayDataset
@@ -24,14 +27,16 @@ from .trainer import Priority as Priority
 from .trainer import Schedule as Schedule
 from .trainer import Trainer as Trainer
 from .trainer import TrainState as TrainState
-from .trainer import __all__ as _TRAINER_NAMES
+
+if TYPE_CHECKING:  # at run time they load on first use, in __getattr__ below
+    from . import hooks, losses, metrics, optimizers, testing
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("hooks", "losses", "metrics", "optimizers")
+_SUBPACKAGES = ("hooks", "losses", "metrics", "optimizers", "testing")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> types.ModuleType:
     # Subpackages load on first use, so `import loopax` stays light (no Orbax or
     # TensorBoard import until a hook needs them).
     if name in _SUBPACKAGES:
@@ -39,4 +44,27 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'loopax' has no attribute {name!r}")
 
 
-__all__ = sorted([*_TRAINER_NAMES, *_SUBPACKAGES, "load_params"])
+__all__ = [
+    "ArrayDataset",
+    "Context",
+    "Dataset",
+    "Evaluation",
+    "ExecInfo",
+    "Executor",
+    "History",
+    "Hook",
+    "HookError",
+    "IterableDataset",
+    "Loop",
+    "NonFiniteLossError",
+    "Priority",
+    "Schedule",
+    "TrainState",
+    "Trainer",
+    "hooks",
+    "load_params",
+    "losses",
+    "metrics",
+    "optimizers",
+    "testing",
+]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-def load_params(directory: str | os.PathLike, step: int | None = None) -> Any:
+def load_params(directory: str | os.PathLike[str], step: int | None = None) -> Any:
     """The trained parameters saved in a loopax checkpoint directory, as numpy arrays.
 
     Reads them with Orbax and checks them as a restore does (the checksums written with them,

@@ -180,7 +180,7 @@ def test_learning_rate_changes_between_steps_without_compiling():
     loop.run_steps(data, 3)
     # A learning rate of 0 leaves the parameters where they were: the new rate is used.
     for before, after in zip(
-        jax.tree.leaves(frozen), jax.tree.leaves(jax.device_get(trainer.params))
+        jax.tree.leaves(frozen), jax.tree.leaves(jax.device_get(trainer.params)), strict=True
     ):
         np.testing.assert_array_equal(before, after)
     assert float(optimizers.get_learning_rate(trainer.state.opt_state)) == 0.0

@@ -1,8 +1,6 @@
 """`loopax.load_params`: a checkpoint's parameters as numpy, without a model; and the same with
 plain Orbax, as the README shows."""
 
-import warnings
-
 import flax.linen as nn
 import jax
 import numpy as np
@@ -40,7 +38,7 @@ def trained(tmp_path):
 
 def assert_same(want, got):
     assert jax.tree.structure(want) == jax.tree.structure(got)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         assert isinstance(b, np.ndarray)
         np.testing.assert_array_equal(a, b)
 
@@ -75,16 +73,14 @@ def test_plain_orbax_reads_them_too(trained):
     directory, saved = trained
     import orbax.checkpoint as ocp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # The README's lines, as a user without loopax would write them:
-        manager = ocp.CheckpointManager(
-            directory, item_handlers={"state": ocp.StandardCheckpointHandler()}
-        )
-        step = manager.latest_step()
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
-            "state"
-        ]
-        params = state["params"]
+    # The README's lines, as a user without loopax would write them:
+    manager = ocp.CheckpointManager(
+        directory, item_handlers={"state": ocp.StandardCheckpointHandler()}
+    )
+    step = manager.latest_step()
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
+        "state"
+    ]
+    params = state["params"]
     assert step == 7
     assert_same(saved[7], jax.tree.map(np.asarray, params))

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -51,6 +51,9 @@ from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
 from ._metric_info import split_eval_key
 from ._triggers import on_schedule
 
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
+
 _logger = logging.getLogger(__name__)
 
 # The newest Checkpointer of each directory in this process: a new one waits for the saves
@@ -71,10 +74,16 @@ class Checkpointer:
       restored_step: the step restored when attached (or by `restore`), or None.
     """
 
+    trainer: Trainer
+    keep: int | None
+    keep_best: int
+    keep_period: int | None
+    directory: Path
+
     def __init__(
         self,
         loop: Loop,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         keep: int | None = 3,
         best_metric: str | None = None,
@@ -146,8 +155,9 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The step of the best checkpoint on disk by `best_metric`, or None (no
-        `best_metric`, or no checkpoint holds its value).
+        """The step of the best checkpoint on disk by `best_metric`, or None.
+
+        None when there is no `best_metric`, or no checkpoint holds its value.
 
         Raises:
           ValueError: the hook was attached without `best_metric`.
@@ -158,15 +168,15 @@ class Checkpointer:
                 "'eval/test/mean_loss')"
             )
         self.wait()
-        values = self._read_best_values()
+        values = self._read_best_values(self.best_metric)
         if not values:
             return None
         pick = min if self.best_mode == "min" else max
         return pick(sorted(values), key=lambda step: values[step])
 
-    def _read_best_values(self) -> dict[int, float]:
+    def _read_best_values(self, best_metric: str) -> dict[int, float]:
         if self._best_values is None:
-            self._best_values = read_metric_values(self._manager, self._ocp, self.best_metric)
+            self._best_values = read_metric_values(self._manager, self._ocp, best_metric)
         on_disk = set(self.all_steps())
         return {step: v for step, v in self._best_values.items() if step in on_disk}
 
@@ -212,7 +222,7 @@ class Checkpointer:
             return {getattr(dataset, "name", "dataset"): dataset.get_state()}
         return {}
 
-    def save(self, metrics: dict | None = None) -> int | None:
+    def save(self, metrics: dict[str, Any] | None = None) -> int | None:
         """Saves the current state at `trainer.global_step`, asynchronously.
 
         The arrays are copied off the device now; once the hooks of the current step have
@@ -355,8 +365,9 @@ class Checkpointer:
         return step
 
     def restore_best(self) -> int | None:
-        """Restores the best checkpoint by `best_metric` (see `best_step`), like
-        `restore(best_step())`; returns its step, or None when none holds the metric.
+        """Restores the best checkpoint by `best_metric` (see `best_step`).
+
+        Like `restore(best_step())`; returns its step, or None when none holds the metric.
 
         Raises:
           ValueError: the hook was attached without `best_metric`.
@@ -403,7 +414,7 @@ class Checkpointer:
 
 def checkpoint(
     loop: Loop,
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     keep: int | None = 3,
     every_n_steps: int | None = None,

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Literal, overload
 
 
+@overload
+def check_count(argument: str, value: Any, *, allow_none: Literal[False]) -> int: ...
+@overload
+def check_count(argument: str, value: Any, *, allow_none: bool) -> int | None: ...
 def check_count(argument: str, value: Any, *, allow_none: bool) -> int | None:
     """Returns `value` as an int >= 1 (or None when allowed); raises ValueError otherwise."""
     if value is None and allow_none:

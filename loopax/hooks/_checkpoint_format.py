@@ -59,8 +59,9 @@ def check_directory(directory: Path) -> None:
 def make_bundle(
     step: int, *, num_devices: int, loop_state: dict, datasets: dict, best_metric: dict | None
 ) -> dict[str, Any]:
-    """The JSON description saved beside the arrays of checkpoint `step` (the writer adds
-    the arrays' checksums).
+    """The JSON description saved beside the arrays of checkpoint `step`.
+
+    The writer adds the arrays' checksums.
 
     Raises:
       TypeError: a dataset's or a hook's state is not JSON.

@@ -31,15 +31,16 @@ def checksums(plain: dict) -> dict[str, str]:
     for path, leaf in tree_paths(plain):
         array = np.ascontiguousarray(leaf)
         crc = zlib.crc32(f"{array.dtype.str}{array.shape}".encode())
-        crc = zlib.crc32(memoryview(array).cast("B"), crc) if array.size else crc
+        crc = zlib.crc32(array.data.cast("B"), crc) if array.size else crc
         result["/".join(path)] = f"{crc:08x}"
     return result
 
 
 def verify(plain: dict, bundle: dict) -> None:
-    """Raises `DamagedCheckpointError` unless `plain` matches the checksums in `bundle` and
-    holds only finite floats. Checkpoints of loopax 0.1 have no checksums: only finiteness
-    is checked for them.
+    """Raises `DamagedCheckpointError` unless `plain` matches `bundle`'s checksums and is finite.
+
+    Every float must be finite. Checkpoints of loopax 0.1 have no checksums: only finiteness is
+    checked for them.
     """
     expected = bundle.get("checksums")
     if expected is not None:
@@ -94,8 +95,9 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
 
 
 def set_aside(directory: Path, step: int) -> Path | None:
-    """Moves checkpoint `step` to `<directory>/damaged/<step>` (process 0 only); returns
-    where it went.
+    """Moves checkpoint `step` to `<directory>/damaged/<step>`; returns where it went.
+
+    Only process 0 moves it.
     """
     if jax.process_index() != 0:
         return None
@@ -143,8 +145,9 @@ def read_newest_good(
 
 
 def read_metric_values(manager: Any, ocp: Any, metric: str) -> dict[int, float]:
-    """`{step: value}` of `metric` in the descriptions of the checkpoints on disk (the
-    unreadable ones and those without the value left out).
+    """`{step: value}` of `metric` in the descriptions of the checkpoints on disk.
+
+    The unreadable ones and those without the value are left out.
     """
     values = {}
     for step in manager.all_steps():
@@ -171,12 +174,13 @@ def open_manager(
     keep_period: int | None,
     create: bool = True,
 ) -> Any:
-    """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention:
-    the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`.
+    """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention.
+
+    It keeps the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`.
     """
     from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
-    preserve = [policies.LatestN(keep)]
+    preserve: list[Any] = [policies.LatestN(keep)]
     if best_metric is not None:
         preserve.append(
             policies.BestN(

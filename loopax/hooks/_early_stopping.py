@@ -6,9 +6,10 @@ the metric.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,10 @@ import jax.numpy as jnp
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._monitor import MetricMonitor, check_count, check_number
+from ._train_state import state_of
+
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -27,13 +32,16 @@ RESTORE_PRIORITY = Priority.CHECKPOINT + 1
 def _equal_trees(a: Any, b: Any) -> bool:
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
-    equal = [jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    equal = [
+        jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
     return bool(jnp.all(jnp.stack(equal))) if equal else True
 
 
 class EarlyStopping(MetricMonitor):
-    """Stops the run once `monitor` has not improved for `patience` checks; created by
-    `early_stopping` (read its documentation for the rules).
+    """Stops the run once `monitor` has not improved for `patience` checks.
+
+    Created by `early_stopping` (read its documentation for the rules).
 
     Attributes:
       monitor, mode, min_delta, checks, last_step: see `MetricMonitor`.
@@ -48,6 +56,10 @@ class EarlyStopping(MetricMonitor):
       restored_step: the step whose parameters were put back at the end of the last run,
         or None when none were.
     """
+
+    patience: int
+    baseline: float | None
+    trainer: Trainer
 
     def __init__(
         self,
@@ -88,16 +100,18 @@ class EarlyStopping(MetricMonitor):
 
     @property
     def best_params(self) -> Any:
-        """A device copy of the parameters at `best_step` (with `restore_best`, kept from
-        the check that found it in this process), or None.
+        """A device copy of the parameters at `best_step`, or None.
+
+        With `restore_best`, kept from the check that found it in this process.
         """
         if self._best_copy is None or self._best_copy_step != self.best_step:
             return None
         return self._best_copy[0]
 
     def reset(self) -> None:
-        """Forgets the best value, the wait and the stop, so that later runs train again
-        (as a new Keras `fit` would); values of steps already checked still are not counted.
+        """Forgets the best value, the wait and the stop, so that later runs train again.
+
+        As a new Keras `fit` would; values of steps already checked still are not counted.
         """
         self.best = self.best_step = self.stopped_step = self.stop_reason = None
         self.wait = 0
@@ -113,13 +127,15 @@ class EarlyStopping(MetricMonitor):
             self.best, self.best_step = value, step
             if self.restore_best:
                 # A real copy: the next step donates the state's device buffers.
-                state = loop.trainer.state
+                state = state_of(loop.trainer, self.name)
                 self._best_copy = jax.tree.map(jnp.copy, (state.params, state.model_state))
                 self._best_copy_step = step
             if self.baseline is None or self.improves(value, self.baseline):
                 self.wait = 0
         if self.wait >= max(self.patience, 1) and self.stopped_step is None:
-            if self.baseline is not None and not self.improves(self.best, self.baseline):
+            if self.best is None:
+                what = "had no finite value"
+            elif self.baseline is not None and not self.improves(self.best, self.baseline):
                 what = f"did not improve on baseline {self.baseline:.6g}"
             else:
                 what = f"did not improve on {self.best:.6g} (step {self.best_step})"
@@ -147,19 +163,21 @@ class EarlyStopping(MetricMonitor):
         self._put_back_training_params(loop.trainer)
 
     def _put_back_training_params(self, trainer: Any) -> None:
-        """The next run continues the training from its own last parameters, not the best
-        ones shown between runs: chunked runs equal one long run (and a resumed one).
+        """The next run continues the training from its own last parameters.
+
+        Not from the best ones shown between runs: chunked runs equal one long run (and a resumed
+        one).
         """
         set_aside, self._set_aside = self._set_aside, None
         if set_aside is None or self._best_copy is None:
             return
         params, model_state, step = set_aside
-        state = trainer.state
+        state = state_of(trainer, self.name)
         # Only if nobody replaced the parameters between the runs.
         if step == trainer.global_step and _equal_trees(
             (state.params, state.model_state), self._best_copy
         ):
-            trainer.state = state.replace(params=params, model_state=model_state)
+            trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
 
     def _on_restore(self, loop: Loop, step: int) -> None:
         del loop, step
@@ -186,12 +204,12 @@ class EarlyStopping(MetricMonitor):
                 stacklevel=2,
             )
             return
-        state = trainer.state
+        state = state_of(trainer, self.name)
         if self._set_aside is None:
             # No copy: the trainer lets go of these arrays (its new state is placed anew).
             self._set_aside = (state.params, state.model_state, trainer.global_step)
         params, model_state = self._best_copy
-        trainer.state = state.replace(params=params, model_state=model_state)
+        trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
         self.restored_step = self.best_step
         _logger.info("%s: restored the parameters of step %d", self.name, self.best_step)
 

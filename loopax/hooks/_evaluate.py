@@ -56,7 +56,7 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
 
 
 def format_results(trainer: Any, name: str, results: dict[str, float]) -> str:
-    """`Results on <name>:` then one `\\t<Name> (<short>): <value>` line per eval metric."""
+    r"""`Results on <name>:` then one `\t<Name> (<short>): <value>` line per eval metric."""
     lines = [f"Results on {name}:"]
     for info in eval_metric_infos(trainer):
         if info.key in results:
@@ -148,8 +148,10 @@ def evaluate(
       >>> loop = loopax.Loop(trainer)
       >>> evaluator = loopax.hooks.evaluate(loop, test, every_n_steps=2)
       >>> _ = loop.run_steps(train, 4)
-      >>> [step for step, _ in evaluator.history], [s for s, _ in loop.history["eval/test/mean_loss"]]
-      ([2, 4], [2, 4])
+      >>> [step for step, _ in evaluator.history]
+      [2, 4]
+      >>> [step for step, _ in loop.history["eval/test/mean_loss"]]
+      [2, 4]
     """
     datasets = check_datasets(datasets)
     if not datasets:
@@ -183,10 +185,10 @@ def evaluate(
 def report_eval(
     trainer: Any, *datasets: Any, file: TextIO | None = None
 ) -> dict[str, dict[str, float]]:
-    """Evaluates each dataset and prints the results in GoMLX's format.
+    r"""Evaluates each dataset and prints the results in GoMLX's format.
 
-    Per dataset: `Results on <name>:` then one `\\t<Name> (<short>): <value>` line per eval
-    metric (e.g. `\\tMean Loss (#loss): 0.123`, `\\tAccuracy (acc): 93.41%`); then the dataset
+    Per dataset: `Results on <name>:` then one `\t<Name> (<short>): <value>` line per eval
+    metric (e.g. `\tMean Loss (#loss): 0.123`, `\tAccuracy (acc): 93.41%`); then the dataset
     is reset. Every process evaluates; only process 0 prints.
 
     Args:

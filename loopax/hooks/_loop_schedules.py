@@ -33,6 +33,9 @@ class EveryNSteps(Schedule):
       ValueError: `n` is not a positive int.
     """
 
+    rule: EveryNStepsRule
+    n: int
+
     def __init__(self, n: int):
         self.rule = EveryNStepsRule(n)
         self.n = self.rule.n
@@ -59,6 +62,10 @@ class NTimes(Schedule):
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    rule: NTimesRule
+    n: int
+    run_end_step: int
 
     def __init__(self, n: int):
         self.rule = NTimesRule(n)
@@ -113,9 +120,10 @@ class NTimes(Schedule):
 
 
 class Exponential(Schedule):
-    """Fires on an absolute grid of steps whose gaps grow by `factor`: `start_step`, then
-    `next += gap; gap = round_half_away_from_zero(gap * factor)` (100, 1.2: 100, 220, 364,
-    537, 745, ...).
+    """Fires on an absolute grid of steps whose gaps grow by `factor`.
+
+    The grid: `start_step`, then `next += gap; gap = round_half_away_from_zero(gap * factor)` (100,
+    1.2: 100, 220, 364, 537, 745, ...).
 
     The grid is absolute: a resumed run lands on it, and a grid point equal to the first
     step of a run still fires. Fires at most once per step, catching up one step at a time
@@ -124,6 +132,10 @@ class Exponential(Schedule):
     Raises:
       ValueError: `start_step` is not a positive int or `factor` not a finite number > 1.
     """
+
+    rule: ExponentialRule
+    start_step: int
+    factor: float
 
     def __init__(self, start_step: int, factor: float):
         self.rule = ExponentialRule(start_step, factor)
@@ -149,8 +161,9 @@ class Exponential(Schedule):
 
 
 class ClockSchedule(Schedule):
-    """Fires when `period_seconds` of `clock` passed since it last fired (or at its first
-    step with `fire_first`), reading the clock only every so often.
+    """Fires when `period_seconds` of `clock` passed since it last fired.
+
+    With `fire_first` it also fires at its first step. It reads the clock only every so often.
 
     A clock reading on every step would cost every step; instead it measures how fast its
     clock runs per step and asks again after half the steps it predicts are left (at most
@@ -158,6 +171,8 @@ class ClockSchedule(Schedule):
     `MAX_AHEAD` steps late if the steps suddenly slow down. `last` is read after the callback
     returned, so slow callbacks and paused time are not caught up.
     """
+
+    period_seconds: float
 
     MAX_AHEAD = 32
 
@@ -234,6 +249,8 @@ class AtSteps(Schedule):
       ValueError: `steps` is empty or holds something other than positive ints.
     """
 
+    steps: tuple[int, ...]
+
     def __init__(self, steps: Iterable[int]):
         if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
             raise ValueError(
@@ -258,12 +275,17 @@ class AtSteps(Schedule):
 
 
 class FirstNSteps(Schedule):
-    """Fires at each of the first `n` steps of every run, or with `of_process=True` of this
-    process (counted across its runs: the first steps after a restart, e.g. to watch them).
+    """Fires at each of the first `n` steps of every run, or of this process.
+
+    With `of_process=True` the steps are counted across this process's runs: the first steps after a
+    restart, e.g. to watch them.
 
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    n: int
+    of_process: bool
 
     def __init__(self, n: int, *, of_process: bool = False):
         self.n = _check_positive_int("n", n)
@@ -292,12 +314,15 @@ class FirstNSteps(Schedule):
 
 
 class EveryNEpochs(Schedule):
-    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`
-    (epochs 0-based in the run: at the ends of epochs n-1, 2n-1, ...).
+    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`.
+
+    Epochs are 0-based in the run: it fires at the ends of epochs n-1, 2n-1, ...
 
     Raises:
       ValueError: `n` is not a positive int.
     """
+
+    n: int
 
     checks_every_step = True  # asked at every epoch end
     at_epoch_end = True

@@ -11,6 +11,7 @@ from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
 from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._loop_schedules import FirstNSteps
+from ._train_state import state_of
 
 _FIX = (
     "Build the optimizer with loopax.optimizers (e.g. loopax.optimizers.adam(1e-3)) or wrap "
@@ -20,8 +21,9 @@ _FIX = (
 
 
 def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
-    """Raises a ValueError naming `what` unless `opt_state` (arrays or shapes) holds a
-    learning rate that can be set.
+    """Raises a ValueError naming `what` unless `opt_state` holds a settable learning rate.
+
+    `opt_state` may hold arrays or shapes.
     """
     if get_learning_rate(opt_state) is None:
         raise ValueError(
@@ -39,9 +41,10 @@ def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
 
 
 def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> bool:
-    """Checks the trainer's optimizer now if possible: with its state, or initialized on
-    stand-in parameters. Returns False when only the real parameters can tell (e.g.
-    `optax.multi_transform` labelled by the parameter tree).
+    """Checks the trainer's optimizer now if possible.
+
+    With its state, or initialized on stand-in parameters. Returns False when only the real
+    parameters can tell (e.g. `optax.multi_transform` labelled by the parameter tree).
 
     Raises:
       ValueError: the learning rate cannot be changed at run time.
@@ -65,15 +68,17 @@ def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> b
 def require_adjustable_learning_rate(
     loop: Loop, what: str, note: str = "", hook_name: str | None = None
 ) -> None:
-    """`check_adjustable_learning_rate` now, or at the first step of each run when only the
-    real parameters can tell (in an OnStep hook named after `hook_name`, default `what`).
+    """`check_adjustable_learning_rate` now, or at the first step of each run.
+
+    It waits for the first step when only the real parameters can tell (in an OnStep hook named
+    after `hook_name`, default `what`).
     """
     if check_adjustable_learning_rate(loop.trainer, what, note):
         return
 
     def check(loop: Loop, metrics: Any) -> None:
         del metrics
-        check_optimizer_state(loop.trainer.state.opt_state, what, note)
+        check_optimizer_state(state_of(loop.trainer, what).opt_state, what, note)
 
     loop.on_step(
         f"{hook_name or what}: check the learning rate",

@@ -102,8 +102,9 @@ def describe_key(trainer: Any, key: str) -> MetricInfo:
 
 
 def split_eval_key(trainer: Any, key: str) -> tuple[str, str] | None:
-    """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key naming one of the trainer's
-    eval metrics (dataset names may hold `/`), else None.
+    """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, else None.
+
+    The key must name one of the trainer's eval metrics (dataset names may hold `/`).
     """
     if not key.startswith("eval/"):
         return None

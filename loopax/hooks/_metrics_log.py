@@ -26,6 +26,10 @@ class MetricsLog(MetricWriter):
       file_format: `"csv"` or `"jsonl"`.
     """
 
+    file: PointsFile
+    path: str
+    file_format: str
+
     def __init__(self, path: str, file_format: str, trainer: Any):
         self.file = PointsFile(path, file_format)
         self.path = self.file.path
@@ -41,7 +45,7 @@ class MetricsLog(MetricWriter):
 
 def metrics_log(
     loop: Loop,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     every_n_steps: int = 100,
     every_n_epochs: int | None = None,

@@ -1,6 +1,7 @@
-"""What early stopping and the plateau hook share: which metric key to watch, which
-direction is better, when a value counts as an improvement, and handing each new value of
-the key to the hook exactly once (resumes included).
+"""What early stopping and the plateau hook share.
+
+Which metric key to watch, which direction is better, when a value counts as an improvement, and
+handing each new value of the key to the hook exactly once (resumes included).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def check_number(hook: str, argument: str, value: Any, *, minimum: float | None 
 
 
 def resolve_monitor(trainer: Any, monitor: Any, hook: str) -> tuple[str | None, str]:
-    """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, `(None, metric)` of a
-    `"train/<metric>"` key naming one of the trainer's metrics.
+    """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, or of a `"train/<metric>"` key.
+
+    A `"train/<metric>"` key gives `(None, metric)`; the metric must be one of the trainer's.
 
     Raises:
       ValueError: `monitor` names none of them; the message lists the valid keys.
@@ -60,8 +62,9 @@ def resolve_monitor(trainer: Any, monitor: Any, hook: str) -> tuple[str | None, 
 
 
 def resolve_mode(trainer: Any, monitor: str, mode: Any, hook: str) -> str:
-    """`"min"` or `"max"`: `mode`, or for `"auto"` the one the metric's type implies
-    (`"loss"` -> min, `"accuracy"` -> max).
+    """`"min"` or `"max"`: `mode`, or for `"auto"` the one the metric's type implies.
+
+    `"loss"` -> min, `"accuracy"` -> max.
 
     Raises:
       ValueError: an unknown `mode`, or `"auto"` for a metric of another type.
@@ -101,6 +104,16 @@ class MetricMonitor(abc.ABC):
       wait: checks without an improvement (each hook says since what).
     """
 
+    dataset: str | None
+    metric: str
+    mode: str
+    min_delta: float
+    name: str
+    checks: int
+    wait: int
+    best: float | None
+    best_step: int | None
+
     def __init__(self, loop: Loop, hook: str, monitor: Any, mode: Any, min_delta: float):
         if not isinstance(loop, Loop):
             raise TypeError(f"{hook} needs a loopax.Loop, got {type(loop).__name__}")
@@ -117,8 +130,9 @@ class MetricMonitor(abc.ABC):
         self._warned_unchecked = False
 
     def _watch(self, loop: Loop, priority: int) -> None:
-        """Registers the hooks that read the monitor, and the state; call last in __init__
-        (a state restored before registration is applied at once).
+        """Registers the hooks that read the monitor, and the state; call last in __init__.
+
+        A state restored before registration is applied at once.
         """
         if self.dataset is None:
             loop.on_epoch_end(self.name, self._on_epoch_end, priority)
@@ -127,8 +141,9 @@ class MetricMonitor(abc.ABC):
         loop.add_state(self.name, self)
 
     def improves(self, value: float, reference: float | None) -> bool:
-        """Whether `value` beats `reference` by more than `min_delta` (None: any finite
-        value). NaN and infinities never improve: they measure no progress.
+        """Whether `value` beats `reference` by more than `min_delta` (None: any finite value).
+
+        NaN and infinities never improve: they measure no progress.
         """
         if not math.isfinite(value):
             return False
@@ -143,8 +158,9 @@ class MetricMonitor(abc.ABC):
         """Acts on a new value of the monitor, measured at global step `step`."""
 
     def measures_training(self, loop: Loop) -> bool:
-        """Whether a value now measures the training (not, e.g., parameters put in its
-        place between runs); values that do not are ignored.
+        """Whether a value now measures the training; values that do not are ignored.
+
+        A value does not when, e.g., parameters were put in its place between runs.
         """
         del loop
         return True

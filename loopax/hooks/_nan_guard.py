@@ -37,6 +37,9 @@ class NanGuard:
       rolled_back_to: the global steps restored by each rollback of this process.
     """
 
+    rollbacks: int
+    consecutive: int
+
     def __init__(
         self, loop: Loop, max_skips: int, rollback: bool, lr_factor: float, max_rollbacks: int
     ):

@@ -8,7 +8,7 @@ value of an input of the compiled step: nothing is compiled again.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,10 @@ from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
 from ._monitor import MetricMonitor, check_count, check_number
+from ._train_state import state_of
+
+if TYPE_CHECKING:
+    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -28,8 +32,9 @@ _CONTRIB_NOTE = (
 
 
 class ReduceLROnPlateau(MetricMonitor):
-    """Multiplies the learning rate by `factor` once `monitor` has not improved for
-    `patience` checks; created by `reduce_lr_on_plateau` (read it for the rules).
+    """Multiplies the learning rate by `factor` once `monitor` has not improved for a while.
+
+    That is, for `patience` checks; created by `reduce_lr_on_plateau` (read it for the rules).
 
     Attributes:
       monitor, mode, min_delta, checks, last_step: see `MetricMonitor`.
@@ -40,6 +45,12 @@ class ReduceLROnPlateau(MetricMonitor):
       cooldown_counter: checks left before the wait counts again after a reduction.
       reductions: `[(global step, new learning rate), ...]`, one per reduction.
     """
+
+    patience: int
+    cooldown: int
+    cooldown_counter: int
+    min_lr: float
+    trainer: Trainer
 
     def __init__(
         self,
@@ -80,9 +91,7 @@ class ReduceLROnPlateau(MetricMonitor):
 
     @property
     def learning_rate(self) -> float | None:
-        """The optimizer's live learning rate (reads the device), or None before the first
-        step.
-        """
+        """The optimizer's live learning rate (reads the device), or None before the first step."""
         return self.trainer.learning_rate
 
     def on_value(self, loop: Loop, step: int, value: float) -> None:
@@ -102,7 +111,8 @@ class ReduceLROnPlateau(MetricMonitor):
         trainer = loop.trainer
         old = trainer.learning_rate
         if old is None:  # the registration's check makes this unreachable; say why anyway
-            check_optimizer_state(trainer.state.opt_state, self.name, _CONTRIB_NOTE)
+            check_optimizer_state(state_of(trainer, self.name).opt_state, self.name, _CONTRIB_NOTE)
+            raise RuntimeError(f"{self.name}: the trainer's optimizer has no learning rate to set")
         # The rate is a float32 in the optimizer state: compare at that precision.
         if old <= float(np.float32(self.min_lr)):
             return
@@ -152,8 +162,9 @@ def reduce_lr_on_plateau(
     min_lr: float = 0.0,
     mode: str = "auto",
 ) -> ReduceLROnPlateau:
-    """Multiplies the live learning rate by `factor` when `monitor` stalls (Keras's
-    `ReduceLROnPlateau`), without compiling anything again.
+    """Multiplies the live learning rate by `factor` when `monitor` stalls.
+
+    Keras's `ReduceLROnPlateau`, without compiling anything again.
 
     `monitor` is checked at every evaluation of its dataset for `"eval/<dataset>/<metric>"`
     (from `hooks.evaluate` or any `loop.evaluate`), or at every epoch end of `run_epochs`

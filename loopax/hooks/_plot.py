@@ -71,7 +71,7 @@ def render_plots(points: list[Point], directory: str) -> list[str]:
         )
         for name, xy in train_first:
             xy = sorted(dict(xy).items())  # one value per step, the last written wins
-            steps, ys = zip(*xy)
+            steps, ys = zip(*xy, strict=True)
             values += ys
             if name.startswith(_TRAIN_PREFIX):
                 axes.plot(steps, ys, "-", marker=".", linewidth=1.8, label=name)
@@ -111,6 +111,8 @@ class Plotter(MetricWriter):
     the latest points superseding a render not yet started; `flush()` (at the end of each
     run) waits for it.
     """
+
+    points_path: str
 
     def __init__(self, directory: str, trainer: Any, render: bool):
         self.directory = directory
@@ -198,7 +200,7 @@ class _OwnEvaluations:
 
 def plot(
     loop: Loop,
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     *,
     eval_datasets: Any = (),
     start_step: int = 10,

@@ -20,7 +20,7 @@ from typing import Any
 from ._metric_info import describe_key
 
 Point = dict[str, Any]
-FIELDS = ("metric", "short", "type", "step", "value")
+FIELDS: tuple[str, ...] = ("metric", "short", "type", "step", "value")
 FORMATS = ("jsonl", "csv")
 
 
@@ -63,6 +63,9 @@ class PointsFile:
       path: the file; its directory is created on the first append.
       file_format: `"jsonl"` or `"csv"`.
     """
+
+    path: str
+    file_format: str
 
     def __init__(self, path: str, file_format: str):
         self.path = os.fspath(path)

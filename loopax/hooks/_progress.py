@@ -36,6 +36,9 @@ class Throughput:
       (2.0, 5.0)
     """
 
+    counted_steps: int
+    counted_seconds: float
+
     def __init__(self) -> None:
         self.counted_steps = 0
         self.counted_seconds = 0.0
@@ -104,6 +107,8 @@ class ProgressBar:
       throughput: the `Throughput` (steps/s and ETA without compile time) of the current run.
       bar: the tqdm bar of the current run, or None.
     """
+
+    throughput: Throughput
 
     def __init__(
         self,
@@ -203,8 +208,9 @@ class ProgressBar:
             bar.refresh()
 
     def __call__(self, loop: Loop, metrics: Any) -> None:
-        """The OnStep hook, on the steps its `ClockSchedule` picks (every `refresh_seconds`):
-        refreshes the bar.
+        """The OnStep hook: refreshes the bar.
+
+        It runs on the steps its `ClockSchedule` picks (every `refresh_seconds`).
         """
         if self.bar is None:
             return

@@ -55,6 +55,8 @@ class EveryNStepsRule:
       [9, 19, 29]
     """
 
+    n: int
+
     def __init__(self, n: int):
         self.n = _check_positive_int("n", n)
 
@@ -89,6 +91,8 @@ class NTimesRule:
       >>> schedule.points(10)
       [4, 7, 10]
     """
+
+    n: int
 
     def __init__(self, n: int):
         self.n = _check_positive_int("n", n)
@@ -147,8 +151,9 @@ class ExponentialRule:
     The grid starts at `next = 0, gap = start_step`; advancing does `next += gap;
     gap = round_half_away_from_zero(gap * factor)`. `start_run(first_step)` positions it on the
     first grid point at or after `first_step`, so a resumed run lands on the same grid as an
-    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)` fires (and advances once) when `step` reached the next
-    point, so a schedule far behind catches up one call at a time.
+    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)`
+    fires (and advances once) when `step` reached the next point, so a schedule far behind
+    catches up one call at a time.
 
     Args:
       start_step: the first grid point and the first gap, a positive int.
@@ -163,6 +168,11 @@ class ExponentialRule:
       >>> [step for step in range(1000) if schedule.should_fire(step)]
       [100, 220, 364, 537, 745, 995]
     """
+
+    start_step: int
+    factor: float
+    next_step: int
+    gap: int
 
     def __init__(self, start_step: int, factor: float):
         self.start_step = _check_positive_int("start_step", start_step)

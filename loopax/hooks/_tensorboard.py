@@ -87,7 +87,8 @@ _BURST_SECONDS = 1.0  # writes reach the writer thread in batches, at most this 
 def _scalar_summary(values: dict[str, Any]) -> Any:
     from tensorboard.compat.proto import summary_pb2
 
-    summary = summary_pb2.Summary()
+    # A protobuf-generated module without type stubs: pyright cannot see its classes.
+    summary = summary_pb2.Summary()  # pyright: ignore[reportAttributeAccessIssue]
     for tag, value in values.items():
         summary.value.add(tag=tag, simple_value=float(value))
     return summary
@@ -104,7 +105,8 @@ def _histogram_summary(values: dict[str, Any]) -> Any:
     from tensorboard.plugins.histogram import metadata
     from tensorboard.util import tensor_util
 
-    summary = summary_pb2.Summary()
+    # A protobuf-generated module without type stubs: pyright cannot see its classes.
+    summary = summary_pb2.Summary()  # pyright: ignore[reportAttributeAccessIssue]
     for tag, value in values.items():
         data = np.asarray(value, np.float64).ravel()
         data = data[np.isfinite(data)]
@@ -134,8 +136,10 @@ class TensorBoardWriter(MetricWriter):
       max_pending: hand the collected writes over once this many are waiting.
     """
 
+    logdir: str
+
     def __init__(
-        self, logdir: str | os.PathLike, *, flush_seconds: float = 10.0, max_pending: int = 64
+        self, logdir: str | os.PathLike[str], *, flush_seconds: float = 10.0, max_pending: int = 64
     ):
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
@@ -155,7 +159,11 @@ class TensorBoardWriter(MetricWriter):
     def _start(self) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._writer = EventFileWriter(self.logdir, flush_secs=self._flush_seconds)
+        # TensorBoard annotates flush_secs as int, but only compares times with it: a float works.
+        self._writer = EventFileWriter(
+            self.logdir,
+            flush_secs=self._flush_seconds,  # pyright: ignore[reportArgumentType]
+        )
         self._thread = threading.Thread(target=self._work, name="loopax-tensorboard", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -171,8 +179,9 @@ class TensorBoardWriter(MetricWriter):
             self._hand_off()
 
     def _hand_off(self) -> None:
-        """Gives the collected writes to the writer thread, as one batch; blocks while the
-        writer is still busy with the previous batch.
+        """Gives the collected writes to the writer thread, as one batch.
+
+        Blocks while the writer is still busy with the previous batch.
         """
         self._handoff_due = time.monotonic() + _BURST_SECONDS
         if self._outbox:
@@ -200,14 +209,17 @@ class TensorBoardWriter(MetricWriter):
         self._put(("histograms", step, dict(values)))
 
     def truncate_after(self, step: int) -> None:
-        """Writes a `SessionLog.START` at `step + 1`: TensorBoard then drops every event of
-        a later step written before it (a resumed or rolled-back run writes them again).
+        """Writes a `SessionLog.START` at `step + 1`.
+
+        TensorBoard then drops every event of a later step written before it (a resumed or
+        rolled-back run writes them again).
         """
         self._put(("restart", step + 1, None))
 
     def flush_async(self) -> Waiter:
-        """Hands everything queued to the writer thread and asks it to flush; the returned
-        function waits until the events are on disk.
+        """Hands everything queued to the writer thread and asks it to flush.
+
+        The returned function waits until the events are on disk.
         """
         self._raise_worker_error()
         if self._thread is None or self._closed:
@@ -273,7 +285,7 @@ class TensorBoardWriter(MetricWriter):
         }
         try:
             payloads = jax.device_get([payload for _, _, payload in items])
-            for (kind, step, _), payload in zip(items, payloads):
+            for (kind, step, _), payload in zip(items, payloads, strict=True):
                 if kind == "restart":
                     event = event_pb2.Event(
                         wall_time=time.time(),
@@ -291,7 +303,7 @@ class TensorBoardWriter(MetricWriter):
 
 def tensorboard(
     loop: Loop,
-    logdir: str | os.PathLike,
+    logdir: str | os.PathLike[str],
     *,
     every_n_steps: int = 100,
     histograms_every_n_steps: int | None = None,

@@ -50,8 +50,10 @@ def on_schedule(
     priority: int = Priority.DEFAULT,
     check_finite: bool | None = None,
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at the steps of `when` (any schedule, e.g. combined with `|`;
-    an epoch schedule such as `EveryNEpochs` at the epoch ends it picks).
+    """Calls `fn(loop, metrics)` at the steps of `when`.
+
+    `when` is any schedule, e.g. combined with `|`; an epoch schedule such as `EveryNEpochs` calls
+    it at the epoch ends it picks.
 
     The hook is named `"<schedule>: name"`. With `call_on_end` it also runs once in OnEnd,
     unconditionally. Hooks of priority >= `Priority.CHECKPOINT` check every loss so far is
@@ -114,8 +116,9 @@ def every_n_steps(
 def n_times_during_loop(
     loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at most `n` times per run, evenly spaced, always at the last
-    step; see `NTimes`.
+    """Calls `fn(loop, metrics)` at most `n` times per run, evenly spaced.
+
+    It always fires at the last step; see `NTimes`.
 
     Args:
       loop: the `loopax.Loop`.
@@ -175,8 +178,9 @@ def exponential_callback(
     call_on_end: bool = False,
     priority: int = Priority.DEFAULT,
 ) -> Hook:
-    """Calls `fn(loop, metrics)` on an absolute grid of steps whose gaps grow by `factor`;
-    see `Exponential`.
+    """Calls `fn(loop, metrics)` on a grid of steps whose gaps grow by `factor`.
+
+    The grid is absolute (global steps); see `Exponential`.
 
     Args:
       loop: the `loopax.Loop`.
@@ -207,8 +211,10 @@ def exponential_callback(
 def at_steps(
     loop: Loop, steps: Iterable[int], name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
 ) -> Hook:
-    """Calls `fn(loop, metrics)` after the steps that bring `trainer.global_step` to one of
-    `steps` (global steps, as checkpoints count them); see `AtSteps`.
+    """Calls `fn(loop, metrics)` after the steps that bring the global step to one of `steps`.
+
+    `steps` are values of `trainer.global_step` (global steps, as checkpoints count them); see
+    `AtSteps`.
 
     Returns:
       The OnStep `Hook`.
@@ -228,8 +234,9 @@ def first_n_steps(
     of_process: bool = False,
     priority: int = Priority.DEFAULT,
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at each of the first `n` steps of every run, or of this
-    process with `of_process=True`; see `FirstNSteps`.
+    """Calls `fn(loop, metrics)` at each of the first `n` steps of every run.
+
+    With `of_process=True`, the first `n` steps of this process; see `FirstNSteps`.
 
     Returns:
       The OnStep `Hook`.
@@ -243,8 +250,9 @@ def first_n_steps(
 def every_n_epochs(
     loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at the end of every n-th epoch of `run_epochs`, after the
-    OnStep hooks of the epoch's last step, with that step's metrics.
+    """Calls `fn(loop, metrics)` at the end of every n-th epoch of `run_epochs`.
+
+    It runs after the OnStep hooks of the epoch's last step, with that step's metrics.
 
     Only `run_epochs` has epoch ends: with `run_steps` the hook does not run (the loop
     warns at the start of such a run).

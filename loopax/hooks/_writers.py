@@ -45,13 +45,17 @@ class MetricWriter(abc.ABC):
         del step, tag, text
 
     def truncate_after(self, step: int) -> None:
-        """Drops the points written for steps after `step` (a resume or a rollback will
-        write them again). Outputs that cannot drop points may ignore it.
+        """Drops the points written for steps after `step`.
+
+        A resume or a rollback will write them again. Outputs that cannot drop points may ignore
+        it.
         """
         del step
 
     def flush(self) -> None:
         """Blocks until everything written so far survives the process being killed."""
+        # An output that buffers nothing has nothing to wait for.
+        return None
 
     def flush_async(self) -> Waiter:
         """Starts a flush; returns a function that waits for it. Default: `flush()` now."""

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 
 from ._base import Metric
 
-MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
-
 
 class MeanState(NamedTuple):
     """Running (or one batch's) weighted sum and total weight of a mean.
@@ -28,6 +26,11 @@ class MeanState(NamedTuple):
     weight: jax.Array
 
 
+# `fn(labels, predictions)`: per-example values, their mean, or a `MeanState` of its own
+# weighting (masks, weights).
+MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], "jax.Array | MeanState"]
+
+
 class MovingAverageState(NamedTuple):
     """Running state of `MovingAverage`.
 
@@ -37,7 +40,8 @@ class MovingAverageState(NamedTuple):
     """
 
     mean: jax.Array
-    count: jax.Array
+    # A public field name: reading `state.count` gives the batches, not tuple.count.
+    count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
 
 
 def zero_mean_state() -> MeanState:
@@ -147,6 +151,8 @@ class Mean(Metric):
       '0.5'
     """
 
+    short_name: str
+
     def __init__(
         self, name: str, fn: MetricFn, *, short_name: str | None = None, metric_type: str = ""
     ):
@@ -220,6 +226,9 @@ class MovingAverage(Metric):
       >>> float(ma.compute(state))  # (4 + 2) / 2 = 3, then 3 * 0.5 + 1 * 0.5
       2.0
     """
+
+    short_name: str
+    new_example_weight: float
 
     def __init__(
         self,

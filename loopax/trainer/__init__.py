@@ -17,23 +17,21 @@ from ._loop import Loop as Loop
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer
 
-__all__ = sorted(
-    [
-        "ArrayDataset",
-        "Context",
-        "Dataset",
-        "Evaluation",
-        "ExecInfo",
-        "Executor",
-        "History",
-        "Hook",
-        "HookError",
-        "IterableDataset",
-        "Loop",
-        "NonFiniteLossError",
-        "Priority",
-        "Schedule",
-        "TrainState",
-        "Trainer",
-    ]
-)
+__all__ = [
+    "ArrayDataset",
+    "Context",
+    "Dataset",
+    "Evaluation",
+    "ExecInfo",
+    "Executor",
+    "History",
+    "Hook",
+    "HookError",
+    "IterableDataset",
+    "Loop",
+    "NonFiniteLossError",
+    "Priority",
+    "Schedule",
+    "TrainState",
+    "Trainer",
+]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
@@ -30,22 +30,22 @@ def signature(arrays: list[Any], what: str, spec: Any) -> tuple:
         raise
 
 
+def _is_count(value: Any) -> TypeGuard[int | np.integer]:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def dropped_examples_warning(dataset: Any) -> str | None:
-    """Says how many examples one pass over `dataset` skips, read from its attributes
-    (`num_examples`, `batch_size`, `drop_remainder`, as `ArrayDataset` has), or None.
+    """Says how many examples one pass over `dataset` skips, or None.
+
+    Read from its attributes (`num_examples`, `batch_size`, `drop_remainder`, as `ArrayDataset`
+    has).
     """
     num_examples = getattr(dataset, "num_examples", None)
     batch_size = getattr(dataset, "batch_size", None)
     drop_remainder = getattr(dataset, "drop_remainder", False)
     if not (isinstance(drop_remainder, (bool, np.bool_)) and drop_remainder):
         return None
-    if (
-        not all(
-            isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-            for value in (num_examples, batch_size)
-        )
-        or batch_size < 1
-    ):
+    if not (_is_count(num_examples) and _is_count(batch_size)) or batch_size < 1:
         return None
     dropped = int(num_examples) % int(batch_size)
     if not dropped:
@@ -94,12 +94,12 @@ def validate_batch(
     if micro_batches:
         check_micro_batches(spec, inputs, labels)
     axis = 1 if micro_batches else 0
-    sizes = {int(a.shape[axis]) if a.ndim > axis else None for a in [*inputs, *labels]}
-    if None in sizes:
+    if any(a.ndim == 0 for a in [*inputs, *labels]):
         raise ValueError(
             f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
             "needs a leading batch dimension"
         )
+    sizes = {int(a.shape[axis]) for a in [*inputs, *labels]}
     if len(sizes) != 1:
         raise ValueError(
             f"the {graph} batch for spec {spec!r} mixes batch sizes {sorted(sizes)} "
@@ -120,8 +120,9 @@ def validate_batch(
 
 
 def check_micro_batches(spec: Any, inputs: list, labels: list) -> None:
-    """Under gradient accumulation, a train batch's arrays must all have the same leading
-    axis of micro-batches, in front of the batch axis.
+    """Checks that a train batch's arrays share a leading axis of micro-batches.
+
+    Under gradient accumulation the micro-batch axis comes in front of the batch axis.
 
     Raises:
       ValueError: an array without the two axes, or leading axes that differ.
@@ -145,8 +146,9 @@ def check_micro_batches(spec: Any, inputs: list, labels: list) -> None:
 
 
 def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[list, ...]:
-    """Splits a (local) batch that the N local devices do not divide into the pieces
-    `_steps.StepBuilder.eval_uneven` takes, each a list of arrays.
+    """Splits a (local) batch that the N local devices do not divide into pieces.
+
+    The pieces are those `_steps.StepBuilder.eval_uneven` takes, each a list of arrays.
 
     Returns `(padded_inputs, padded_labels, [valid])`, then `(inputs, labels)` of its
     largest part that N divides, unless that part is empty. The last r < N examples
@@ -170,8 +172,9 @@ def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[li
 
 
 def check_same_batch_size_everywhere(spec: Any, batch: int) -> None:
-    """Multi-process: every process must split its batch the same way; all raise
-    together (not one raising while the others wait in a collective) when not.
+    """Multi-process: every process must split its batch the same way.
+
+    When not, all raise together (not one raising while the others wait in a collective).
     """
     from jax.experimental import multihost_utils
 

@@ -1,5 +1,6 @@
-"""The `Dataset` protocol, `ArrayDataset` (in-memory arrays), and the helpers every reader of
-datasets shares; iterables (grain's too) are in `_iterables`.
+"""The `Dataset` protocol, `ArrayDataset`, and helpers every reader of datasets shares.
+
+`ArrayDataset` holds in-memory arrays; iterables (grain's too) are in `_iterables`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class ArrayDataset:
       >>> inputs[0].tolist(), labels[0].tolist()
       ([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3])
     """
+
+    inputs: list[np.ndarray]
+    labels: list[np.ndarray]
+    num_examples: int
+    batch_size: int
 
     def __init__(
         self,
@@ -162,11 +168,11 @@ class ArrayDataset:
         if self._position > 0:
             self._next_epoch()
 
-    def get_state(self) -> dict:
+    def get_state(self) -> dict[str, Any]:
         """Returns the position (epoch and offset) as a JSON-serializable dict."""
         return {"epoch": self._epoch, "position": self._position, "seed": self.seed}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         """Restores a position returned by `get_state`.
 
         Raises:
@@ -246,8 +252,7 @@ def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
 
 
 def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
-    """Every batch `dataset` yields from where it is, each checked to be `(spec, inputs,
-    labels)`.
+    """Every batch `dataset` yields from where it is, each checked to be `(spec, inputs, labels)`.
 
     Raises:
       ValueError: a batch is not `(spec, inputs, labels)`.
@@ -277,8 +282,10 @@ def _stack(arrays: list[Any]) -> Any:
 
 
 def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
-    """`yield_batch` for gradient accumulation: up to `count` consecutive batches of
-    `dataset`, each input and label stacked on a new leading axis.
+    """`yield_batch` for gradient accumulation: up to `count` batches, stacked.
+
+    Each input and label of up to `count` consecutive batches of `dataset` is stacked on
+    a new leading axis.
 
     A group ends early when the dataset ends after its first batch (one optimizer step
     over fewer micro-batches); `StopIteration` only when no batch is left.

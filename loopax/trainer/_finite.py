@@ -61,9 +61,7 @@ class FiniteChecker:
 
     def start_run(self, trainer: Any, start_step: int) -> None:
         """A run starts at `start_step` with freshly reset train metrics."""
-        self._indicator = (
-            SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE
-        )
+        self._indicator = SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE
         self._skipped_seen = 0.0
         self.checked_through = start_step - 1
         self.failure = None
@@ -96,7 +94,7 @@ class FiniteChecker:
         elif value != self._skipped_seen:
             counts = [_as_float(c) for c in jax.device_get([m[SKIPPED_STEPS] for _, m in window])]
             previous, skipped = self._skipped_seen, []
-            for (step, _), count in zip(window, counts):
+            for (step, _), count in zip(window, counts, strict=True):
                 if count > previous:
                     skipped.append(step)
                 previous = count
@@ -108,7 +106,7 @@ class FiniteChecker:
 
     def _raise_first(self, window: Window, average: float) -> None:
         losses = jax.device_get([metrics["loss"] for _, metrics in window])
-        for (step, _), loss in zip(window, losses):
+        for (step, _), loss in zip(window, losses, strict=True):
             loss = _as_float(loss)
             if not math.isfinite(loss):
                 self.failure = NonFiniteLossError(

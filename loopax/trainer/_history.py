@@ -121,8 +121,9 @@ class History(Mapping[str, list[tuple[int, float]]]):
         return len(self._series)
 
     def to_pandas(self) -> Any:
-        """A `pandas.DataFrame` with one row per step and one column per key (NaN where a
-        key has no value at a step). Needs pandas.
+        """A `pandas.DataFrame` with one row per step and one column per key.
+
+        NaN where a key has no value at a step. Needs pandas.
 
         Raises:
           ImportError: pandas is not installed.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -47,6 +47,11 @@ class HookRegistry:
     _rewound: bool
     check_finite: Callable[[], None]
     _resolve_logs: Callable[[int], None]
+
+    @property
+    def _as_loop(self) -> Loop:
+        # Every HookRegistry is a Loop (its base class): schedules are handed the loop.
+        return cast("Loop", self)
 
     def __init__(self) -> None:
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
@@ -106,7 +111,7 @@ class HookRegistry:
         if when is not None:
             self.add_state(name, hook)
             if self._scheduling:  # registered during a run's steps: schedule it from here
-                when.start_run(self)
+                when.start_run(self._as_loop)
                 self._reschedule()
         return hook
 
@@ -123,8 +128,9 @@ class HookRegistry:
         when: Schedule | None = None,
         check_finite: bool | None = None,
     ) -> Hook:
-        """Registers `fn(loop, metrics)` to run after every train step, or at the steps of
-        the schedule `when` (e.g. `hooks.EveryNSteps(100)`).
+        """Registers `fn(loop, metrics)` to run after every train step, or when `when` fires.
+
+        `when` is a step schedule (e.g. `hooks.EveryNSteps(100)`).
 
         Args:
           name: the hook's name, in messages and `hooks()`.
@@ -151,10 +157,11 @@ class HookRegistry:
         when: Schedule | None = None,
         check_finite: bool | None = None,
     ) -> Hook:
-        """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`
-        (or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`), after the OnStep
-        hooks of the epoch's last step; `loop.epoch` is the epoch that ended, and, as in
-        OnEnd, `loop_step` is one past its last step (`== trainer.global_step`).
+        """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`.
+
+        Or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`; after the OnStep hooks of the
+        epoch's last step. `loop.epoch` is the epoch that ended, and, as in OnEnd, `loop_step` is
+        one past its last step (`== trainer.global_step`).
         """
         return self._register("OnEpochEnd", name, fn, priority, when, check_finite)
 
@@ -172,32 +179,36 @@ class HookRegistry:
     def on_evaluation(
         self, name: str, fn: Callable[[Loop, Evaluation], Any], priority: int = 0
     ) -> Hook:
-        """Registers `fn(loop, evaluation)` to run for every `Evaluation` that
-        `loop.evaluate` publishes (one per dataset and global step).
+        """Registers `fn(loop, evaluation)` to run for every `Evaluation` of `loop.evaluate`.
+
+        `loop.evaluate` publishes one per dataset and global step.
         """
         return self._register("OnEvaluation", name, fn, priority)
 
     def on_restore(self, name: str, fn: Callable[[Loop, int], Any], priority: int = 0) -> Hook:
-        """Registers `fn(loop, step)` to run whenever the training continues from an
-        earlier global `step` (`resume_from`: a checkpoint restore or a rollback); writers
-        drop what they wrote after `step` there.
+        """Registers `fn(loop, step)` to run whenever the training continues from an earlier `step`.
+
+        `step` is a global step (`resume_from`: a checkpoint restore or a rollback); writers drop
+        what they wrote after `step` there.
         """
         return self._register("OnRestore", name, fn, priority)
 
     def on_flush(
         self, name: str, fn: Callable[[Loop, None], Callable[[], None] | None], priority: int = 0
     ) -> Hook:
-        """Registers `fn(loop, None)` to run when `loop.flush()` is called (before every
-        checkpoint commit): it starts writing out what its output holds and may return a
-        function that waits until that is on disk.
+        """Registers `fn(loop, None)` to run when `loop.flush()` is called.
+
+        `loop.flush()` runs before every checkpoint commit: `fn` starts writing out what its output
+        holds and may return a function that waits until that is on disk.
         """
         return self._register("OnFlush", name, fn, priority)
 
     def on_error(
         self, name: str, fn: Callable[[Loop, BaseException], Any], priority: int = 0
     ) -> Hook:
-        """Registers `fn(loop, error)` to run when a run raises (its own errors are logged,
-        and the run's error propagates), e.g. to wait for saves in flight.
+        """Registers `fn(loop, error)` to run when a run raises.
+
+        Its own errors are logged, and the run's error propagates; e.g. to wait for saves in flight.
         """
         return self._register("OnError", name, fn, priority)
 
@@ -210,10 +221,11 @@ class HookRegistry:
     # -- state that checkpoints carry -----------------------------------------------------
 
     def add_state(self, name: str, obj: Any) -> str:
-        """Registers `obj` (with `get_state() -> dict` and `set_state(dict)`) so that
-        checkpoints save and restore it with the loop; returns the name it is kept under
-        (`name`, or `name#2`, ... when taken). A state saved under that name and not
-        applied yet is applied now.
+        """Registers `obj` so that checkpoints save and restore it with the loop.
+
+        `obj` has `get_state() -> dict` and `set_state(dict)`. Returns the name it is kept under
+        (`name`, or `name#2`, ... when taken). A state saved under that name and not applied yet is
+        applied now.
         """
         if not (
             callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
@@ -228,9 +240,11 @@ class HookRegistry:
         return unique
 
     def get_state(self) -> dict[str, Any]:
-        """The loop's resumable state (JSON-serializable): the history, every state
-        registered with `add_state` (trigger schedules, early stopping, ...), and the run in
-        progress (so that resuming it continues its train metrics' averages).
+        """The loop's resumable state (JSON-serializable).
+
+        It holds the history, every state registered with `add_state` (trigger schedules, early
+        stopping, ...), and the run in progress (so that resuming it continues its train metrics'
+        averages).
         """
         return {
             "history": self.history.get_state(),
@@ -241,8 +255,9 @@ class HookRegistry:
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Restores a `get_state()` result; states of hooks not registered yet wait for
-        their registration.
+        """Restores a `get_state()` result.
+
+        States of hooks not registered yet wait for their registration.
         """
         if "history" in state:
             self.history.set_state(state["history"])
@@ -254,9 +269,10 @@ class HookRegistry:
                 self._pending_states[name] = hook_state
 
     def call_after_hooks(self, fn: Callable[[], None]) -> None:
-        """Runs `fn()` once the hooks of the current phase have all run (this step's
-        OnStep hooks, or the OnEnd hooks); at once outside a run. A checkpoint commits
-        there, after the logs of its step are written.
+        """Runs `fn()` once the hooks of the current phase have all run.
+
+        That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
+        commits there, after the logs of its step are written.
         """
         if self._running:
             self._after_hooks.append(fn)
@@ -278,7 +294,9 @@ class HookRegistry:
     def _reschedule(self) -> None:
         """Asks every step schedule for its next step from the current one."""
         for hook in self._step_scheduled():
-            hook.next = hook.schedule.next_step(self, self.loop_step)
+            schedule = hook.schedule
+            assert schedule is not None, "a hook not asked every step has a schedule"
+            hook.next = schedule.next_step(self._as_loop, self.loop_step)
         self._wake_step = min((h.next for h in self._step_scheduled()), default=NEVER)
 
     def _call(self, hook: Hook, argument: Any) -> None:
@@ -302,13 +320,13 @@ class HookRegistry:
         if not schedule.checks_every_step:
             if hook.next > step:
                 return
-            fire = schedule.should_fire(self)
-            hook.next = schedule.next_step(self, step + 1)
+            fire = schedule.should_fire(self._as_loop)
+            hook.next = schedule.next_step(self._as_loop, step + 1)
         else:
-            fire = schedule.should_fire(self)
+            fire = schedule.should_fire(self._as_loop)
         if fire:
             self._call(hook, argument)
-            schedule.fired(self)
+            schedule.fired(self._as_loop)
 
     def _step_hooks(self, metrics: Metrics, step: int) -> None:
         if step >= self._wake_step:

@@ -73,13 +73,16 @@ class Schedule(abc.ABC):
 
     def start_run(self, loop: Loop) -> None:
         """Called before the first step of every run (after the OnStart hooks)."""
+        del loop  # stateless schedules ignore it
 
     def restart(self, loop: Loop) -> None:
         """Called when the run continues from an earlier step (`loop.resume_from`)."""
+        del loop  # stateless schedules ignore it
 
     def next_step(self, loop: Loop, step: int) -> int:
-        """The first step index `>= step` at which `should_fire` may be True (`NEVER` for
-        none). The default asks at every step.
+        """The first step index `>= step` at which `should_fire` may be True (`NEVER` for none).
+
+        The default asks at every step.
         """
         return step
 
@@ -89,6 +92,7 @@ class Schedule(abc.ABC):
 
     def fired(self, loop: Loop) -> None:
         """Called after the hook ran (e.g. a clock restarts its period here)."""
+        del loop  # stateless schedules ignore it
 
     def get_state(self) -> dict[str, Any]:
         """The position a checkpoint must save (JSON-serializable); `{}` when stateless."""
@@ -103,12 +107,18 @@ class Schedule(abc.ABC):
 
 
 class AnyOf(Schedule):
-    """Fires when any of its schedules fires; each one is asked, so each advances, and each
-    hears of every firing (`fired`: a clock part restarts its period whichever part fired).
+    """Fires when any of its schedules fires.
+
+    Each one is asked, so each advances, and each hears of every firing (`fired`: a clock part
+    restarts its period whichever part fired).
 
     Raises:
       TypeError: an element is not a `Schedule`, or epoch-end and step schedules are mixed.
     """
+
+    schedules: tuple[Schedule, ...]
+    at_epoch_end: bool
+    checks_every_step: bool
 
     def __init__(self, *schedules: Schedule):
         flat: list[Schedule] = []
@@ -180,6 +190,15 @@ class Hook:
       check_finite: whether the loop checks that every step's loss so far is finite
         before calling it.
     """
+
+    phase: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int
+    order: int
+    schedule: Schedule | None
+    check_finite: bool
+    next: int
 
     __slots__ = ("phase", "name", "fn", "priority", "order", "schedule", "check_finite", "next")
 

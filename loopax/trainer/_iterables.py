@@ -12,11 +12,14 @@ import json
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
 from ._datasets import Batch, Dataset, as_list
+
+if TYPE_CHECKING:
+    import jax
 
 _ELEMENT_FORMS = (
     "(inputs, labels), (spec, inputs, labels) or a dict {'inputs': ..., 'labels': ...} "
@@ -25,7 +28,7 @@ _ELEMENT_FORMS = (
 _ELEMENT_KEYS = frozenset({"inputs", "labels", "spec"})
 
 
-def _is_array(value: Any) -> bool:
+def _is_array(value: Any) -> TypeGuard[np.ndarray | jax.Array]:
     # numpy scalars (np.int64(3)) are hashable and may be specs; arrays cannot be.
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic)
 
@@ -62,8 +65,10 @@ def batch_from_element(element: Any, name: str) -> Batch:
 
 
 class IterableDataset:
-    """Reads batches from an iterable: a list of batches, a grain `MapDataset`, `IterDataset`
-    or `DataLoader`, or a zero-argument callable returning an iterator (a generator function).
+    """Reads batches from an iterable.
+
+    A list of batches, a grain `MapDataset`, `IterDataset` or `DataLoader`, or a zero-argument
+    callable returning an iterator (a generator function).
 
     Each element is `(inputs, labels)`, `(spec, inputs, labels)` or a dict
     `{"inputs": ..., "labels": ..., "spec": ...}` ("labels" and "spec" optional, no other key;
@@ -105,6 +110,8 @@ class IterableDataset:
       >>> ds.get_state()  # a list's iterator has no position to save
       {'iterator': None}
     """
+
+    can_reset: bool
 
     def __init__(self, source: Iterable[Any] | Callable[[], Iterator[Any]], *, name: str):
         if isinstance(source, Iterator):
@@ -175,8 +182,9 @@ class IterableDataset:
         )
 
     def _check_passes(self, reader: str) -> None:
-        """Checks that `reader` (evaluate, run_epochs) can read whole passes: the source
-        starts over and ends.
+        """Checks that `reader` (evaluate, run_epochs) can read whole passes.
+
+        The source must start over and end.
 
         Raises:
           TypeError: the source is an iterator, which cannot start over.
@@ -197,9 +205,10 @@ class IterableDataset:
             )
 
     def get_state(self) -> dict:
-        """Returns the iterator's position as JSON: `{"iterator": its get_state()}`
-        (`{"iterator_bytes": base64}` for bytes), or `{"iterator": None}` when the iterator
-        has no `get_state()`.
+        """The iterator's position as JSON.
+
+        `{"iterator": its get_state()}` (`{"iterator_bytes": base64}` for bytes), or `{"iterator":
+        None}` when the iterator has no `get_state()`.
 
         Raises:
           TypeError: the iterator's state is neither bytes nor JSON.
@@ -221,8 +230,10 @@ class IterableDataset:
         return {"iterator": state}
 
     def set_state(self, state: dict) -> None:
-        """Restores a position returned by `get_state`; one without a position (its
-        iterator had no `get_state()`) leaves the dataset where it is, with a warning.
+        """Restores a position returned by `get_state`.
+
+        One without a position (its iterator had no `get_state()`) leaves the dataset where it is,
+        with a warning.
 
         Raises:
           ValueError: `state` did not come from `IterableDataset.get_state`, or holds a
@@ -268,8 +279,9 @@ def is_dataset(data: Any) -> bool:
 
 
 def as_dataset(data: Any, name: str) -> Dataset:
-    """`data` if it is a `Dataset`, else an `IterableDataset` over it, named `data.name`
-    (a non-empty str) or `name`.
+    """`data` if it is a `Dataset`, else an `IterableDataset` over it.
+
+    The `IterableDataset` is named `data.name` (a non-empty str) or `name`.
 
     Raises:
       TypeError: `data` is neither a `Dataset` nor an iterable of batches.
@@ -299,9 +311,11 @@ def as_dataset(data: Any, name: str) -> Dataset:
 
 
 def evaluation_dataset(data: Any) -> Dataset:
-    """What `Trainer.evaluate` reads: a `Dataset` as it is (evaluate resets it); an iterable
-    or an `IterableDataset` as a new `IterableDataset` over the same source from its start,
-    named "eval" unless named, so that evaluating never moves a training position.
+    """What `Trainer.evaluate` reads.
+
+    A `Dataset` as it is (evaluate resets it); an iterable or an `IterableDataset` as a new
+    `IterableDataset` over the same source from its start, named "eval" unless named, so that
+    evaluating never moves a training position.
 
     Raises:
       TypeError: not a dataset or an iterable, or an iterator (it can be read only once).
@@ -335,17 +349,19 @@ def check_restartable(dataset: Dataset, reader: str) -> None:
 
 
 class RunIterable:
-    """The `IterableDataset` of the iterable a `Loop`'s last run read, so that a run on the
-    same object goes on where that one stopped, as with a `Dataset`. Only the last is kept:
-    a loop given a new pipeline per run must not hold every old one (and its read-ahead).
+    """The `IterableDataset` of the iterable a `Loop`'s last run read.
+
+    A run on the same object goes on where that one stopped, as with a `Dataset`. Only the last is
+    kept: a loop given a new pipeline per run must not hold every old one (and its read-ahead).
     """
 
     def __init__(self) -> None:
         self._last: tuple[Any, Dataset] | None = None
 
     def dataset(self, data: Any) -> Dataset:
-        """`data` as a `Dataset`: itself, or an `IterableDataset` named "train" (the last
-        run's, for the same object).
+        """`data` as a `Dataset`: itself, or an `IterableDataset` named "train".
+
+        For the same object, the last run's `IterableDataset`.
 
         Raises:
           TypeError: `data` is neither a `Dataset` nor an iterable of batches.

@@ -1,4 +1,4 @@
-"""Every optimizer, selected by name as `examples/digits.py --optimizer NAME` does, trains digits."""
+"""Every optimizer, selected by name as `examples/digits.py --optimizer NAME` does, trains."""
 
 import importlib.util
 from pathlib import Path

@@ -80,12 +80,14 @@ def record_states(loop):
 def assert_trees_equal(expected, actual):
     expected, actual = jax.device_get(expected), jax.device_get(actual)
     assert jax.tree.structure(expected) == jax.tree.structure(actual)
-    for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
+    for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
         np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
 
 
 def trees_equal(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def scripted_run(trainer, values, steps=20, *, every=2, **kwargs):
@@ -188,6 +190,13 @@ def test_baseline_beaten_resets_the_wait(trainer):
 def test_nan_and_infinity_never_improve(trainer):
     loop, stopper, _ = scripted_run(trainer, [1.0, math.nan, -math.inf, 0.5], patience=2)
     assert stopper.stopped_step == 6 and (stopper.best, stopper.best_step) == (1.0, 2)
+
+
+@pytest.mark.parametrize("baseline", [None, 0.5])
+def test_a_monitor_that_is_never_finite_stops_with_a_reason(trainer, baseline):
+    _, stopper, _ = scripted_run(trainer, [math.nan] * 5, patience=2, baseline=baseline)
+    assert stopper.stopped_step == 4 and stopper.best is None
+    assert f"{MONITOR} had no finite value in 2 checks" in stopper.stop_reason
 
 
 def test_patience_zero_acts_as_one(trainer):

@@ -36,7 +36,7 @@ def test_one_evaluation_per_scheduled_point_with_every_writer_attached(tmp_path)
     assert test.resets == 3  # evaluated once at each of global steps 4, 8 and 12
     assert [(e.step, e.dataset) for e in published] == [(4, "test"), (8, "test"), (12, "test")]
     assert reused == published  # the same records, not new evaluations
-    for evaluation, (_, results) in zip(published, evaluator.history):
+    for evaluation, (_, results) in zip(published, evaluator.history, strict=True):
         assert dict(evaluation.values) == results["test"]
         assert list(evaluation.values) == ["mean_loss", "Accuracy"]
         assert all(isinstance(value, float) for value in evaluation.values.values())

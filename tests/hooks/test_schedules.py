@@ -1,6 +1,7 @@
 """The pure trigger rules: exact sequences from SEMANTICS.md and properties."""
 
 import decimal
+import itertools
 import math
 
 import pytest
@@ -54,7 +55,7 @@ def test_every_n_steps_of_one_fires_every_step():
 def test_every_n_steps_is_aligned_to_the_global_step(n, start, steps):
     fired = fired_steps(EveryNStepsRule(n).should_fire, range(start, start + steps))
     assert fired == [step for step in range(start, start + steps) if (step + 1) % n == 0]
-    assert all(later - earlier == n for earlier, later in zip(fired, fired[1:]))
+    assert all(later - earlier == n for earlier, later in itertools.pairwise(fired))
 
 
 @given(n=st.integers(1, 50), split=st.integers(0, 300), steps=st.integers(0, 300))
@@ -112,7 +113,7 @@ def test_n_times_fires_min_n_t_times_evenly_and_at_the_last_step(n, total):
     assert len(fired) == min(n, total)
     assert fired[-1] == total
     assert fired == schedule.points(total)
-    gaps = [later - earlier for earlier, later in zip([0] + fired, fired)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise([0, *fired])]
     assert max(gaps) - min(gaps) <= 1
 
 
@@ -192,9 +193,9 @@ def test_exponential_resumed_run_lands_on_the_same_grid(start_step, factor, firs
 @given(start_step=st.integers(1, 200), factor=st.floats(1.01, 3.0))
 def test_exponential_gaps_never_shrink(start_step, factor):
     points = _take(ExponentialRule(start_step, factor).grid(), 30)
-    gaps = [later - earlier for earlier, later in zip([0] + points, points)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise([0, *points])]
     assert gaps[0] == start_step
-    assert all(later >= earlier for earlier, later in zip(gaps, gaps[1:]))
+    assert all(later >= earlier for earlier, later in itertools.pairwise(gaps))
 
 
 @given(st.floats(-1e9, 1e9, allow_nan=False))

@@ -1,6 +1,7 @@
 """The trigger helpers through a real `loopax.Loop` and `loopax.Trainer`."""
 
 import json
+import re
 import warnings
 
 import flax.linen as nn
@@ -801,7 +802,7 @@ def test_every_n_epochs_fires_after_the_step_hooks_of_the_epochs_last_step(loop)
     assert epoch_events == [("epoch", 1, 8, 20, True), ("epoch", 3, 16, 20, True)]
     # After every OnStep hook of the epoch's last step (even one of a later band), before
     # the next epoch's first step.
-    for event, last_step in zip(epoch_events, (7, 15)):
+    for event, last_step in zip(epoch_events, (7, 15), strict=True):
         at = events.index(event)
         assert events[at - 1] == ("step", last_step)
         assert events[at + 1] == ("step", last_step + 1)
@@ -1030,7 +1031,7 @@ def brute_force_firings(hook_specs, epoch_period, runs, first_step, new_loop_per
 
     def visit(step):
         fake.loop_step = step
-        for hook_parts, hook_fired in zip(hook_parts_list, fired):
+        for hook_parts, hook_fired in zip(hook_parts_list, fired, strict=True):
             answers = [part.should_fire(fake) for part in hook_parts]  # no short-circuit
             if any(answers):
                 hook_fired.append(step)
@@ -1085,15 +1086,22 @@ def loop_firings(trainer, hook_specs, epoch_period, runs, new_loop_per_run):
         return loop
 
     loop, forever = new_loop(), make_dataset(8)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", r"hooks .* run at epoch ends", RuntimeWarning)
+    # A loop with an epoch hook warns once, at its first run_steps that runs a step.
+    loop_number, loops_that_warn = 0, set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for index, run in enumerate(runs):
             if new_loop_per_run and index:
-                loop = new_loop()
+                loop, loop_number = new_loop(), loop_number + 1
             if run[0] == "steps":
+                if epoch_period and run[1]:
+                    loops_that_warn.add(loop_number)
                 loop.run_steps(forever, run[1])
             else:
                 loop.run_epochs(make_dataset(run[1], loop_forever=False), run[2])
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == len(loops_that_warn), messages
+    assert all(re.search(r"hooks .* run at epoch ends", message) for message in messages)
     return fired, epoch_fired
 
 

@@ -93,7 +93,7 @@ def assert_trees_equal(expected, actual):
     expected, actual = jax.device_get(expected), jax.device_get(actual)
     assert jax.tree.structure(expected) == jax.tree.structure(actual)
     for (path, want), got in zip(
-        jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)
+        jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual), strict=True
     ):
         assert np.array_equal(want, got), jax.tree_util.keystr(path)
 

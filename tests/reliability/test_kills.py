@@ -11,6 +11,7 @@ worker to need them runs them and the others read its results.
 import concurrent.futures
 import csv
 import fcntl
+import itertools
 import json
 import os
 import signal
@@ -213,7 +214,7 @@ def test_killed_then_resumed_run_has_the_uninterrupted_parameters(matrix, refere
     assert final["returncode"] == 0, describe(runs)
     assert resumed_from(final) in resume_steps, describe(runs)
     assert f"done at step {TARGET}" in final["stdout"]
-    for killed, rerun in zip(runs, runs[1:]):
+    for killed, rerun in itertools.pairwise(runs):
         if any(TMP in entry for entry in killed["checkpoints"]):
             # A save cut off before its commit never became a checkpoint; the rerun says so.
             assert "incomplete save(s)" in rerun["stderr"], describe(runs)

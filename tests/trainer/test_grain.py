@@ -103,7 +103,7 @@ def batch_keys(source, count):
 def assert_params_equal(expected, actual):
     expected, actual = jax.device_get(expected), jax.device_get(actual)
     assert jax.tree.structure(expected) == jax.tree.structure(actual)
-    for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
+    for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True):
         assert np.array_equal(want, got)
 
 

@@ -146,6 +146,7 @@ def test_nnx_resume_is_bit_identical(tmp_path, devices):
     for want, got in zip(
         jax.tree.leaves(jax.device_get(uninterrupted.state)),
         jax.tree.leaves(jax.device_get(resumed.state)),
+        strict=True,
     ):
         np.testing.assert_array_equal(want, got)
 
@@ -208,7 +209,9 @@ def test_init_params_from_a_checkpoint_reproduce_its_evaluation(tmp_path, device
     loop.run_steps(train_data(), 60)
     expected = trained.evaluate(eval_data())
     params = loopax.load_params(tmp_path)
-    for want, got in zip(jax.tree.leaves(jax.device_get(trained.params)), jax.tree.leaves(params)):
+    for want, got in zip(
+        jax.tree.leaves(jax.device_get(trained.params)), jax.tree.leaves(params), strict=True
+    ):
         np.testing.assert_array_equal(want, got)
 
     # The batch statistics are model state, not parameters: a model without them instead.

@@ -52,13 +52,13 @@ def test_predictions_equal_a_forward_pass_by_hand_for_every_example(trainer):
     # 103 examples in batches of 10 (rounded up to the device count): the last is padded.
     predictions = trainer.predict([X, Z], batch_size=10)
     assert [p.shape for p in predictions] == [(103, 3), (103, 1)]
-    for want, got in zip(expected, predictions):
+    for want, got in zip(expected, predictions, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     size = -(-10 // trainer.num_devices) * trainer.num_devices
     assert compiled == [((size, 5), (size, 2))]  # one batch shape: compiled once
     again = trainer.predict([X, Z], batch_size=10)
     assert compiled == [((size, 5), (size, 2))]
-    for first, second in zip(predictions, again):
+    for first, second in zip(predictions, again, strict=True):
         np.testing.assert_array_equal(first, second)  # eval mode: no dropout
 
 
@@ -67,7 +67,7 @@ def test_a_dataset_and_small_inputs(trainer):
     dataset = loopax.ArrayDataset(
         [X, Z], np.zeros(103, np.float32), 16, shuffle=False, drop_remainder=False, name="all"
     )
-    for want, got in zip(expected, trainer.predict(dataset)):
+    for want, got in zip(expected, trainer.predict(dataset), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for count in (1, 3):  # fewer examples than devices
         small = trainer.predict([X[:count], Z[:count]])

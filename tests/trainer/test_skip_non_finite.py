@@ -47,7 +47,9 @@ def test_a_skipped_step_leaves_every_state_but_the_step_unchanged(devices):
     assert int(after.step) == int(before.step) + 1
     for field in ("params", "opt_state", "model_state", "train_metrics"):
         for want, got in zip(
-            jax.tree.leaves(getattr(before, field)), jax.tree.leaves(getattr(after, field))
+            jax.tree.leaves(getattr(before, field)),
+            jax.tree.leaves(getattr(after, field)),
+            strict=True,
         ):
             if field == "train_metrics" and np.shape(want) == (3,):
                 np.testing.assert_array_equal(got, [want[0], want[1], want[2] + 1])

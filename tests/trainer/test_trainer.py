@@ -621,6 +621,7 @@ def test_a_state_with_another_rng_key_recompiles_and_uses_it():
     for want, got in zip(
         jax.tree.leaves(jax.device_get(seeded_zero.params)),
         jax.tree.leaves(jax.device_get(seeded_one.params)),
+        strict=True,
     ):
         np.testing.assert_array_equal(want, got)
 
