@@ -180,7 +180,8 @@ class Loop(MetricsAccess):
             self.loop_step = step
             self._rewound = True
             for hook in self._scheduled():
-                hook.schedule.restart(self)
+                if hook.schedule is not None:  # always: `_scheduled` yields only these
+                    hook.schedule.restart(self)
             self._reschedule()
         else:
             self.loop_step = self.start_step = step
@@ -283,7 +284,8 @@ class Loop(MetricsAccess):
         if continuing:
             self._finite.restart(self.trainer, self.loop_step)  # the restored skip count
         for hook in self._scheduled():
-            hook.schedule.start_run(self)
+            if hook.schedule is not None:  # always: `_scheduled` yields only these
+                hook.schedule.start_run(self)
         self._reschedule()
         self._scheduling = True
 

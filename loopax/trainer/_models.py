@@ -38,7 +38,9 @@ class LinenModel:
         parameters = inspect.signature(module.__call__).parameters
         self.mode_keyword = next((k for k in _MODE_KEYWORDS if k in parameters), None)
 
-    def _kwargs(self, training: bool) -> dict[str, bool]:
+    def _kwargs(self, training: bool) -> dict[str, Any]:
+        # `Any`, not `bool`: a `**dict[str, bool]` would be checked against `init`'s and
+        # `apply`'s `method` parameter, which it never fills (its keys are mode keywords).
         if self.mode_keyword is None:
             return {}
         in_training = _MODE_KEYWORDS[self.mode_keyword]
@@ -104,7 +106,7 @@ class NnxModel:
         index = iter(range(1, 1 << 30))
 
         def fresh(leaf: Any) -> Any:
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 return jax.random.wrap_key_data(jax.random.fold_in(key, next(index)))
             return jnp.zeros_like(leaf)
 

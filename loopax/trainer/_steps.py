@@ -332,6 +332,7 @@ class StepBuilder:
             grads, loss, new_model_state, user_states, host_values = self._accumulated(
                 state, spec, rng, inputs, labels, scale
             )
+            predictions = None  # the host metrics' step values come from each micro-batch
         else:
             grads, (local_loss, predictions, new_model_state) = self._gradients(
                 state, state.model_state, spec, rng, inputs, labels, scale

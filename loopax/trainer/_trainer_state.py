@@ -131,11 +131,13 @@ class StateAccess:
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
         """Checks a state loaded before the first batch against the model's variables."""
         where, self._unverified_source = self._unverified_source, None
+        state = self.state
+        if where is None or state is None:
+            raise RuntimeError("no loaded train state awaits verification")  # never: see caller
         expected = dict(
             jax.eval_shape(self._make_initializer(spec), jax.random.PRNGKey(self.seed), inputs)
         )
         expected_params = expected.pop("params", {})
-        state = self.state
         from_plain(
             {"params": expected_params, "model_state": expected},
             to_plain({"params": state.params, "model_state": state.model_state}),
