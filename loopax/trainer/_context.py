@@ -47,8 +47,9 @@ class Context:
         self._losses: list[jax.Array] = []
 
     def variable(self, name: str, init: Any, trainable: bool = True) -> Any:
-        """A variable of the model function, created on the first step (GoMLX's
-        `VariableWithValue`), without writing a Flax module.
+        """A variable of the model function, created on the first step, without a Flax module.
+
+        Like GoMLX's `VariableWithValue`.
 
         Args:
           name: unique among this model function's variables.

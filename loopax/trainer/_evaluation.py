@@ -78,8 +78,9 @@ class EvalSteps:
     def _eval_uneven_batch(
         self, spec: Any, inputs: list, labels: list, batch: int
     ) -> dict[str, jax.Array]:
-        """`eval_step` for a batch of `batch` examples that the (local) devices do not
-        divide: one compiled step per shape, as for any batch (see `_split_uneven_batch`).
+        """`eval_step` for a batch of `batch` examples that the (local) devices do not divide.
+
+        One compiled step per shape, as for any batch (see `_split_uneven_batch`).
         """
         if self._strategy.multi_process:
             check_same_batch_size_everywhere(spec, batch)

@@ -75,8 +75,10 @@ class ExecutorCache:
         labels: list,
         build: Callable[[str, Any, list, list, int], Executor],
     ) -> Executor:
-        """The compiled step for this batch: cached, or `build(graph, spec, inputs, labels,
-        batch size)` after the batch is validated (see `validate_batch`).
+        """The compiled step for this batch: cached, or built after the batch is validated.
+
+        Built by `build(graph, spec, inputs, labels, batch size)`, once the batch passes
+        `validate_batch`.
 
         The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
         sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a step,

@@ -28,9 +28,10 @@ def _as_list(predictions: Any) -> list:
 
 
 class LinenModel:
-    """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`: the keyword
-    it takes among `train`, `training` (True in train steps) and `deterministic` (False in
-    train steps), if any.
+    """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`.
+
+    The keyword is the one it takes among `train`, `training` (True in train steps) and
+    `deterministic` (False in train steps), if any.
     """
 
     def __init__(self, module: nn.Module):
@@ -148,8 +149,9 @@ class NnxModel:
         return (predictions, None), new_state
 
     def update_module(self, params: dict, model_state: dict) -> Any:
-        """Writes the trainer's parameters and model state (host arrays) into the module the
-        user gave, and returns it.
+        """Writes the trainer's parameters and model state (host arrays) into the user's module.
+
+        Returns that module.
         """
         nnx = self._nnx
         params_template, _, rest_template = self._templates

@@ -126,8 +126,9 @@ class Strategy:
 
 
 class MultiProcess(Strategy):
-    """shard_map over devices of several processes: each process passes its share of the
-    batch, assembled into global arrays before every call.
+    """shard_map over devices of several processes, each passing its share of the batch.
+
+    The shares are assembled into global arrays before every call.
     """
 
     multi_process = True

@@ -35,8 +35,9 @@ class Predict:
     _executor: Callable[..., Executor]
 
     def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
-        """Predictions for one (local) batch, padded to `size` (a multiple of the devices)
-        and trimmed back.
+        """Predictions for one (local) batch, padded to `size` and trimmed back.
+
+        `size` is a multiple of the devices.
         """
         count = int(inputs[0].shape[0])
         padded = _pad_to([np.asarray(a) for a in inputs], size)

@@ -326,8 +326,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
     # -- compilation ----------------------------------------------------------------------
 
     def _compile(self, graph: str, spec: Any, inputs: list, labels: list, batch: int) -> Executor:
-        """Compiles the `graph` step for this (validated) batch of `batch` examples; creates
-        the state first if there is none.
+        """Compiles the `graph` step for this (validated) batch of `batch` examples.
+
+        Creates the state first if there is none.
         """
         strategy, steps = self._strategy, self._steps
         local = strategy.local_devices
