@@ -127,9 +127,7 @@ class ModelModule(nn.Module):
     axis_name: str
 
     @nn.compact
-    def __call__(
-        self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None
-    ):
+    def __call__(self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None):
         ctx = Context(self, training, self.axis_name, spec, global_step)
         predictions = self.model_fn(ctx, spec, list(inputs))
         if isinstance(predictions, (list, tuple)):

@@ -73,7 +73,7 @@ class EvalSteps:
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
         if self._steps.config.host_eval:  # host metrics: their step values wait, unread
             return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values))
+        return dict(zip(self.eval_metric_names, values, strict=True))
 
     def _eval_uneven_batch(
         self, spec: Any, inputs: list, labels: list, batch: int
@@ -91,7 +91,7 @@ class EvalSteps:
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
         if self._steps.config.host_eval:  # host metrics: their step values wait, unread
             return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values))
+        return dict(zip(self.eval_metric_names, values, strict=True))
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:
         """Multi-process: each piece's global arrays from this process's share."""

@@ -96,7 +96,12 @@ class ExecutorCache:
         if executor is not None:
             return executor
         key_spec = spec_key(spec)
-        key = (graph, key_spec, signature(inputs, "inputs", spec), signature(labels, "labels", spec))
+        key = (
+            graph,
+            key_spec,
+            signature(inputs, "inputs", spec),
+            signature(labels, "labels", spec),
+        )
         executor = self.get(key)
         if executor is None:
             micro_batches = self.micro_batches and graph == "train"

@@ -311,7 +311,9 @@ class Loop(MetricsAccess):
         train_step = self.trainer.train_step
         micro_batches = self.trainer.accumulate_steps
         yield_batch = (
-            dataset.yield_batch if micro_batches == 1 else micro_batch_reader(dataset, micro_batches)
+            dataset.yield_batch
+            if micro_batches == 1
+            else micro_batch_reader(dataset, micro_batches)
         )
         push = self._in_flight.push
         record_duration = self.train_step_durations.append

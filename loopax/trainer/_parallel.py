@@ -157,7 +157,9 @@ class Pmap(Strategy):
     def place_state(self, state: Any) -> Any:
         """Host arrays with a leading device axis: pmap takes them so and keeps them so."""
         n = self.num_devices
-        return jax.tree.map(lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state)
+        return jax.tree.map(
+            lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state
+        )
 
     def unplace(self, state: Any) -> Any:
         """Device 0's copy."""

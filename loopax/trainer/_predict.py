@@ -102,7 +102,9 @@ class Predict:
             ]
         if not parts:
             raise ValueError("predict got no examples")
-        outputs = [np.concatenate(column) for column in zip(*parts)]
+        # Not strict: a Dataset's batches of different specs may give different numbers of
+        # outputs; the outputs all batches have are kept, as before.
+        outputs = [np.concatenate(column) for column in zip(*parts, strict=False)]
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:

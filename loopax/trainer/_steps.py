@@ -117,7 +117,9 @@ class Collectives:
                 # `where`, not arithmetic: a padding example's partial may be NaN or inf.
                 keep = valid_devices[index]
                 merged = jax.tree.map(
-                    lambda new, old: jnp.where(keep, new, old).astype(new.dtype), merged, result
+                    lambda new, old, keep=keep: jnp.where(keep, new, old).astype(new.dtype),
+                    merged,
+                    result,
                 )
             result = merged
         # The fold is identical on every device; pmax marks it replicated for shard_map.

@@ -400,7 +400,10 @@ class Trainer(StateAccess, EvalSteps, Predict):
         strategy = self._strategy
         if strategy.multi_process:
             micro = self._steps.config.accumulate
-            inputs, labels = strategy.global_batch(inputs, micro), strategy.global_batch(labels, micro)
+            inputs, labels = (
+                strategy.global_batch(inputs, micro),
+                strategy.global_batch(labels, micro),
+            )
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
         host_train = self._steps.config.host_train
