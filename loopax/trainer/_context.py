@@ -47,8 +47,9 @@ class Context:
         self._losses: list[jax.Array] = []
 
     def variable(self, name: str, init: Any, trainable: bool = True) -> Any:
-        """A variable of the model function, created on the first step (GoMLX's
-        `VariableWithValue`), without writing a Flax module.
+        """A variable of the model function, created on the first step, without a Flax module.
+
+        Like GoMLX's `VariableWithValue`.
 
         Args:
           name: unique among this model function's variables.
@@ -126,9 +127,7 @@ class ModelModule(nn.Module):
     axis_name: str
 
     @nn.compact
-    def __call__(
-        self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None
-    ):
+    def __call__(self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None):
         ctx = Context(self, training, self.axis_name, spec, global_step)
         predictions = self.model_fn(ctx, spec, list(inputs))
         if isinstance(predictions, (list, tuple)):

@@ -73,13 +73,14 @@ class EvalSteps:
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
         if self._steps.config.host_eval:  # host metrics: their step values wait, unread
             return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values))
+        return dict(zip(self.eval_metric_names, values, strict=True))
 
     def _eval_uneven_batch(
         self, spec: Any, inputs: list, labels: list, batch: int
     ) -> dict[str, jax.Array]:
-        """`eval_step` for a batch of `batch` examples that the (local) devices do not
-        divide: one compiled step per shape, as for any batch (see `_split_uneven_batch`).
+        """`eval_step` for a batch of `batch` examples that the (local) devices do not divide.
+
+        One compiled step per shape, as for any batch (see `_split_uneven_batch`).
         """
         if self._strategy.multi_process:
             check_same_batch_size_everywhere(spec, batch)
@@ -90,7 +91,7 @@ class EvalSteps:
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
         if self._steps.config.host_eval:  # host metrics: their step values wait, unread
             return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values))
+        return dict(zip(self.eval_metric_names, values, strict=True))
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:
         """Multi-process: each piece's global arrays from this process's share."""

@@ -75,8 +75,10 @@ class ExecutorCache:
         labels: list,
         build: Callable[[str, Any, list, list, int], Executor],
     ) -> Executor:
-        """The compiled step for this batch: cached, or `build(graph, spec, inputs, labels,
-        batch size)` after the batch is validated (see `validate_batch`).
+        """The compiled step for this batch: cached, or built after the batch is validated.
+
+        Built by `build(graph, spec, inputs, labels, batch size)`, once the batch passes
+        `validate_batch`.
 
         The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
         sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a step,
@@ -94,7 +96,12 @@ class ExecutorCache:
         if executor is not None:
             return executor
         key_spec = spec_key(spec)
-        key = (graph, key_spec, signature(inputs, "inputs", spec), signature(labels, "labels", spec))
+        key = (
+            graph,
+            key_spec,
+            signature(inputs, "inputs", spec),
+            signature(labels, "labels", spec),
+        )
         executor = self.get(key)
         if executor is None:
             micro_batches = self.micro_batches and graph == "train"

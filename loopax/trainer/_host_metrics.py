@@ -75,8 +75,9 @@ class StepValues:
         return cls(values, weights, per_example)
 
     def of_micro_batches(self, ok: jax.Array | None = None) -> StepValues:
-        """Traced: the `StepValues` of an accumulated step from the stacked ones of its
-        micro-batches (a leading axis, as `lax.scan` returns them); with `ok` False (a
+        """Traced: the `StepValues` of an accumulated step from its micro-batches' ones.
+
+        Those are stacked on a leading axis, as `lax.scan` returns them. With `ok` False (a
         skipped step) every value is left out.
         """
         values, weights = self.values, self.weights

@@ -126,9 +126,10 @@ class Loop(MetricsAccess):
         return self._running
 
     def report_error(self, error: BaseException) -> None:
-        """Makes the run raise `error` once the current step's hooks have run; safe to call
-        from another thread (e.g. a background save that failed). Outside a run, the next
-        run raises it at its start.
+        """Makes the run raise `error` once the current step's hooks have run.
+
+        Safe to call from another thread (e.g. a background save that failed). Outside a
+        run, the next run raises it at its start.
         """
 
         def raise_it() -> None:
@@ -145,9 +146,10 @@ class Loop(MetricsAccess):
         self.stop_reason = reason
 
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
-        """Makes `fn(loop, steps)` handle steps the trainer skipped for a non-finite loss or
-        gradient (`Trainer.skip_non_finite_steps`), instead of a warning; None removes it.
-        `hooks.nan_guard` sets it.
+        """Makes `fn(loop, steps)` handle the steps the trainer skipped, instead of a warning.
+
+        Those are the steps skipped for a non-finite loss or gradient
+        (`Trainer.skip_non_finite_steps`). None removes `fn`. `hooks.nan_guard` sets it.
         """
         self._finite.handler = fn
 
@@ -161,8 +163,9 @@ class Loop(MetricsAccess):
             self._settle()
 
     def resume_from(self, step: int, state: dict[str, Any] | None = None) -> None:
-        """Continues from global step `step`, to which the trainer's state was just set
-        (a checkpoint restore, or a rollback inside a run).
+        """Continues from global step `step`, to which the trainer's state was just set.
+
+        The state was set by a checkpoint restore, or by a rollback inside a run.
 
         Drops the history after `step`, applies the loop `state` (from `get_state`), and
         runs the OnRestore hooks. Inside a run, the steps in flight are dropped and the run
@@ -180,7 +183,8 @@ class Loop(MetricsAccess):
             self.loop_step = step
             self._rewound = True
             for hook in self._scheduled():
-                hook.schedule.restart(self)
+                if hook.schedule is not None:  # always: `_scheduled` yields only these
+                    hook.schedule.restart(self)
             self._reschedule()
         else:
             self.loop_step = self.start_step = step
@@ -283,7 +287,8 @@ class Loop(MetricsAccess):
         if continuing:
             self._finite.restart(self.trainer, self.loop_step)  # the restored skip count
         for hook in self._scheduled():
-            hook.schedule.start_run(self)
+            if hook.schedule is not None:  # always: `_scheduled` yields only these
+                hook.schedule.start_run(self)
         self._reschedule()
         self._scheduling = True
 
@@ -294,8 +299,10 @@ class Loop(MetricsAccess):
         )
 
     def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
-        """Runs steps and their OnStep hooks until `loop_step` reaches `stop_step`, a stop
-        is requested, or the dataset ends; returns True if the dataset ended.
+        """Runs steps and their OnStep hooks; returns True if the dataset ended.
+
+        It runs until `loop_step` reaches `stop_step`, a stop is requested, or the dataset
+        ends.
 
         Before returning False it waits for the steps in flight and checks them, and goes
         on if that rolled the run back. The per-step path of every run, kept tight: on a
@@ -304,7 +311,9 @@ class Loop(MetricsAccess):
         train_step = self.trainer.train_step
         micro_batches = self.trainer.accumulate_steps
         yield_batch = (
-            dataset.yield_batch if micro_batches == 1 else micro_batch_reader(dataset, micro_batches)
+            dataset.yield_batch
+            if micro_batches == 1
+            else micro_batch_reader(dataset, micro_batches)
         )
         push = self._in_flight.push
         record_duration = self.train_step_durations.append

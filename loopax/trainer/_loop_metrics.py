@@ -1,5 +1,6 @@
-"""The Loop's metrics for hooks: read once per step, logged without waiting, evaluations
-published once.
+"""The Loop's metrics for hooks.
+
+Read once per step, logged without waiting; evaluations published once.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class MetricsAccess(HookRegistry):
         ] = []
 
     def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats, read from the device at most once
-        per step however many hooks ask (it waits for that step).
+        """The latest step's metrics as Python floats (it waits for that step).
+
+        Read from the device at most once per step, however many hooks ask.
         """
         if self._host_metrics_step != self._metrics_step:
             self._host_metrics = {key: float(np.asarray(v)) for key, v in self.metrics.items()}
@@ -52,9 +54,10 @@ class MetricsAccess(HookRegistry):
         return dict(self._host_metrics)
 
     def record_train_metrics(self) -> dict[str, float]:
-        """Reads the latest step's metrics (`host_metrics`), records them in `history` at
-        their global step, and returns them keyed `"train/<metric>"`. Writers call it on the
-        steps they log.
+        """Records the latest step's metrics in `history`; returns them keyed `"train/<metric>"`.
+
+        Reads them as `host_metrics` does and records them at their global step. Writers
+        call it on the steps they log.
         """
         keyed = {train_key(name): value for name, value in self.host_metrics().items()}
         if keyed:
@@ -103,8 +106,10 @@ class MetricsAccess(HookRegistry):
                 callback(step + 1, {**keyed, **{key: extra[key] for key in extra_keys}})
 
     def flush(self) -> Callable[[], None]:
-        """Hands the pending train logs to their writers and asks every output (OnFlush
-        hooks) to write out; returns a function that waits until all of it is on disk.
+        """Hands the pending train logs to their writers and asks every output to write out.
+
+        The outputs are the OnFlush hooks. Returns a function that waits until all of it is
+        on disk.
 
         A checkpoint calls it after the hooks of the step it saves and waits before it
         commits, so that a resumed run's logs hold every point up to the checkpoint.
@@ -126,9 +131,11 @@ class MetricsAccess(HookRegistry):
         return wait
 
     def evaluate(self, dataset: Dataset) -> Evaluation:
-        """Evaluates `dataset` at the current global step, once: a second call at the same
-        step returns the same `Evaluation`. A new evaluation is recorded in `history`
-        (`"eval/<dataset>/<metric>"`) and published to the OnEvaluation hooks.
+        """Evaluates `dataset` at the current global step, once.
+
+        A second call at the same step returns the same `Evaluation`. A new evaluation is
+        recorded in `history` (`"eval/<dataset>/<metric>"`) and published to the
+        OnEvaluation hooks.
 
         Raises:
           ValueError: the dataset has no non-empty str `name`.

@@ -28,9 +28,10 @@ def _as_list(predictions: Any) -> list:
 
 
 class LinenModel:
-    """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`: the keyword
-    it takes among `train`, `training` (True in train steps) and `deterministic` (False in
-    train steps), if any.
+    """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`.
+
+    The keyword is the one it takes among `train`, `training` (True in train steps) and
+    `deterministic` (False in train steps), if any.
     """
 
     def __init__(self, module: nn.Module):
@@ -38,7 +39,9 @@ class LinenModel:
         parameters = inspect.signature(module.__call__).parameters
         self.mode_keyword = next((k for k in _MODE_KEYWORDS if k in parameters), None)
 
-    def _kwargs(self, training: bool) -> dict[str, bool]:
+    def _kwargs(self, training: bool) -> dict[str, Any]:
+        # `Any`, not `bool`: a `**dict[str, bool]` would be checked against `init`'s and
+        # `apply`'s `method` parameter, which it never fills (its keys are mode keywords).
         if self.mode_keyword is None:
             return {}
         in_training = _MODE_KEYWORDS[self.mode_keyword]
@@ -104,7 +107,7 @@ class NnxModel:
         index = iter(range(1, 1 << 30))
 
         def fresh(leaf: Any) -> Any:
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 return jax.random.wrap_key_data(jax.random.fold_in(key, next(index)))
             return jnp.zeros_like(leaf)
 
@@ -146,8 +149,9 @@ class NnxModel:
         return (predictions, None), new_state
 
     def update_module(self, params: dict, model_state: dict) -> Any:
-        """Writes the trainer's parameters and model state (host arrays) into the module the
-        user gave, and returns it.
+        """Writes the trainer's parameters and model state (host arrays) into the user's module.
+
+        Returns that module.
         """
         nnx = self._nnx
         params_template, _, rest_template = self._templates

@@ -10,16 +10,25 @@ the mean over devices, and how a body is wrapped and compiled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.stages import Wrapped
 
 AXIS = "devices"
 STRATEGIES = ("shard_map", "pmap")
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # `jax.Device` is a runtime alias of a compiled class that type checkers cannot see.
+    Device: TypeAlias = Any
+else:
+    Device = jax.Device
 
 
 class Strategy:
@@ -35,7 +44,7 @@ class Strategy:
     name = "shard_map"
     multi_process = False
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.num_devices = len(self.devices)
@@ -80,7 +89,7 @@ class Strategy:
         donate: tuple[int, ...],
         per_example_output: bool = False,
         batch_axis: int = 0,
-    ) -> Callable[..., Any]:
+    ) -> Wrapped:
         """`body(*state, *batch) -> (new_state, values)` as one jit-compiled program.
 
         The first `num_replicated` arguments are replicated (state); the next
@@ -117,13 +126,14 @@ class Strategy:
 
 
 class MultiProcess(Strategy):
-    """shard_map over devices of several processes: each process passes its share of the
-    batch, assembled into global arrays before every call.
+    """shard_map over devices of several processes, each passing its share of the batch.
+
+    The shares are assembled into global arrays before every call.
     """
 
     multi_process = True
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[Device]):
         super().__init__(devices)
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._micro_batch_sharding = NamedSharding(self.mesh, P(None, AXIS))
@@ -139,7 +149,7 @@ class Pmap(Strategy):
 
     name = "pmap"
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[Device]):
         if any(d.process_index != jax.process_index() for d in devices):
             raise ValueError("parallel='pmap' runs on this process's devices only; use 'shard_map'")
         super().__init__(devices)
@@ -147,7 +157,9 @@ class Pmap(Strategy):
     def place_state(self, state: Any) -> Any:
         """Host arrays with a leading device axis: pmap takes them so and keeps them so."""
         n = self.num_devices
-        return jax.tree.map(lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state)
+        return jax.tree.map(
+            lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state
+        )
 
     def unplace(self, state: Any) -> Any:
         """Device 0's copy."""
@@ -169,7 +181,7 @@ class Pmap(Strategy):
         donate: tuple[int, ...],
         per_example_output: bool = False,
         batch_axis: int = 0,
-    ) -> Callable[..., Any]:
+    ) -> Wrapped:
         """As `Strategy.wrap`; the state arguments and new state carry the device axis."""
         num_devices = self.num_devices
         pmapped = jax.pmap(
@@ -201,7 +213,7 @@ class Pmap(Strategy):
         return jax.jit(split_batch_then_pmap, donate_argnums=donate)
 
 
-def choose(parallel: str, devices: Sequence[jax.Device] | None) -> Strategy:
+def choose(parallel: str, devices: Sequence[Device] | None) -> Strategy:
     """The strategy for `parallel=` over `devices` (default: all of `jax.devices()`).
 
     Raises:

@@ -35,8 +35,9 @@ class Predict:
     _executor: Callable[..., Executor]
 
     def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
-        """Predictions for one (local) batch, padded to `size` (a multiple of the devices)
-        and trimmed back.
+        """Predictions for one (local) batch, padded to `size` and trimmed back.
+
+        `size` is a multiple of the devices.
         """
         count = int(inputs[0].shape[0])
         padded = _pad_to([np.asarray(a) for a in inputs], size)
@@ -101,7 +102,9 @@ class Predict:
             ]
         if not parts:
             raise ValueError("predict got no examples")
-        outputs = [np.concatenate(column) for column in zip(*parts)]
+        # Not strict: a Dataset's batches of different specs may give different numbers of
+        # outputs; the outputs all batches have are kept, as before.
+        outputs = [np.concatenate(column) for column in zip(*parts, strict=False)]
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:

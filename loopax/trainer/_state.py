@@ -8,7 +8,7 @@ name by name against the model's state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -20,7 +20,8 @@ class TrainState:
     """Everything the compiled train step reads and writes; checkpointed as a whole.
 
     Attributes:
-      step: the global step (optimizer steps taken), an int32 scalar.
+      step: the global step (optimizer steps taken), an int32 scalar (a host array in a
+        state built from its plain form).
       params: the trainable variables (the Flax `params` collection).
       opt_state: the optax optimizer state.
       model_state: the other Flax collections, e.g. `{"batch_stats": ...}`.
@@ -32,13 +33,17 @@ class TrainState:
         row) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
     """
 
-    step: jax.Array
+    step: jax.Array | np.ndarray
     params: Any
     opt_state: Any
     model_state: Any
-    rng: jax.Array
+    rng: jax.Array | np.ndarray
     train_metrics: tuple
     loss_scale: Any = None
+
+    if TYPE_CHECKING:
+        # Added at runtime by `flax.struct.dataclass`; declared for type checkers only.
+        def replace(self, **changes: Any) -> TrainState: ...
 
 
 def _key_name(key: Any) -> str:
@@ -120,8 +125,9 @@ def first_non_finite(tree: Any) -> str | None:
 def state_from_tree(
     tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str, loss_scale: Any = None
 ) -> TrainState:
-    """A `TrainState` built from its plain form alone (no model needed): the optimizer
-    state's structure comes from `optimizer.init` of the tree's parameters.
+    """A `TrainState` built from its plain form alone, with no model needed.
+
+    The optimizer state's structure comes from `optimizer.init` of the tree's parameters.
 
     Raises:
       ValueError: `tree` does not fit (naming the first differing entry).

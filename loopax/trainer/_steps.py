@@ -1,5 +1,6 @@
-"""The per-device train, eval and predict step bodies (see `_parallel` for how they are
-made data-parallel).
+"""The per-device train, eval and predict step bodies.
+
+See `_parallel` for how they are made data-parallel.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
 
 
 class LossMovingAverage:
-    """The built-in `moving_average_loss` (weight `max(0.01, 1/count)` per step) and the
-    count of skipped steps.
+    """The built-in `moving_average_loss` and the count of skipped steps.
+
+    A step's loss is averaged in with weight `max(0.01, 1/count)`.
 
     Its state is one float32[3] array `(mean, count, skipped)`: every state leaf costs the
     CPU runtime a few microseconds per step, which shows on small models. A skipped step
@@ -115,7 +117,9 @@ class Collectives:
                 # `where`, not arithmetic: a padding example's partial may be NaN or inf.
                 keep = valid_devices[index]
                 merged = jax.tree.map(
-                    lambda new, old: jnp.where(keep, new, old).astype(new.dtype), merged, result
+                    lambda new, old, keep=keep: jnp.where(keep, new, old).astype(new.dtype),
+                    merged,
+                    result,
                 )
             result = merged
         # The fold is identical on every device; pmax marks it replicated for shard_map.
@@ -124,8 +128,10 @@ class Collectives:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Everything the step bodies are compiled from, besides the model; frozen, so a change
-    (e.g. `Trainer.add_per_step_update`) makes a new config and new compiled steps.
+    """Everything the step bodies are compiled from, besides the model; frozen.
+
+    So a change (e.g. `Trainer.add_per_step_update`) makes a new config and new compiled
+    steps.
 
     Attributes:
       loss_fn: `loss_fn(labels, predictions)`, or None when the model adds its losses.
@@ -220,8 +226,9 @@ class StepBuilder:
         return total
 
     def _apply(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
-        """The model on one shard: `(predictions, added loss, new model state)`, the
-        predictions in float32 whatever the compute dtype.
+        """The model on one shard: `(predictions, added loss, new model state)`.
+
+        The predictions are in float32 whatever the compute dtype.
         """
         dtype = self.config.compute_dtype
         variables = {"params": cast_floating(params, dtype), **model_state}
@@ -259,8 +266,9 @@ class StepBuilder:
         return dict(variables)
 
     def _gradients(self, state, model_state, spec, rng, inputs, labels, scale, micro=None):
-        """One shard's `(grads, (local loss, predictions, new model state))`; the gradients
-        are the mean over devices, times `scale` when given.
+        """One shard's `(grads, (local loss, predictions, new model state))`.
+
+        The gradients are the mean over devices, times `scale` when given.
         """
         strategy = self.config.strategy
         pmean = self.collectives.pmean
@@ -279,9 +287,11 @@ class StepBuilder:
         return strategy.gradient_mean(grads, pmean), aux
 
     def _accumulated(self, state, spec, rng, inputs, labels, scale):
-        """Gradients, loss, model state and user metric states over the micro-batches
-        (the leading axis of `inputs`/`labels`), one `lax.scan`: the activations of one
-        micro-batch live at a time. The gradient is the mean of the micro-batches'.
+        """Gradients, loss, model state and user metric states over the micro-batches.
+
+        The micro-batches are the leading axis of `inputs`/`labels`, run in one `lax.scan`:
+        the activations of one micro-batch live at a time. The gradient is the mean of the
+        micro-batches'.
         """
         count = inputs[0].shape[0]
         metrics = self.config.train_metrics
@@ -316,8 +326,9 @@ class StepBuilder:
         return grads, loss_sum / count, model_state, user_states, host_values
 
     def train(self, spec, rng, state: TrainState, inputs, labels):
-        """Per-device: one optimizer step on this device's shard of the global batch (of
-        each micro-batch, with accumulation).
+        """Per-device: one optimizer step on this device's shard of the global batch.
+
+        With accumulation, on its shard of each micro-batch.
 
         `rng` is the trainer's base key, compiled in as a constant; `state.rng` is None
         here (see `Trainer._state`).
@@ -332,6 +343,7 @@ class StepBuilder:
             grads, loss, new_model_state, user_states, host_values = self._accumulated(
                 state, spec, rng, inputs, labels, scale
             )
+            predictions = None  # the host metrics' step values come from each micro-batch
         else:
             grads, (local_loss, predictions, new_model_state) = self._gradients(
                 state, state.model_state, spec, rng, inputs, labels, scale
@@ -442,8 +454,9 @@ class StepBuilder:
         return self._accumulate_eval(metric_states, partials)
 
     def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> tuple:
-        """The merged partials of the mean loss and the eval metrics over all devices'
-        shards (those whose `valid` is True, given `valid`).
+        """The merged partials of the mean loss and the eval metrics over all devices' shards.
+
+        Given `valid`, over those shards whose `valid` is True.
         """
         predictions, added_loss, _ = self._apply(
             state.step, state.model_state, state.params, spec, rng, inputs, False

@@ -20,7 +20,7 @@ from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._host_metrics import split_host_metrics
 from ._models import adapt, no_parameters_message
-from ._parallel import AXIS, choose
+from ._parallel import AXIS, Device, choose
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predict
 from ._state import TrainState, from_plain
@@ -117,7 +117,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
         train_metrics: Sequence[Any] = (),
         eval_metrics: Sequence[Any] = (),
         seed: int = 0,
-        devices: Sequence[jax.Device] | None = None,
+        devices: Sequence[Device] | None = None,
         parallel: str = "shard_map",
         max_executors: int = 20,
         init_params: Any = None,
@@ -201,7 +201,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
         return self._strategy.name
 
     @property
-    def devices(self) -> list[jax.Device]:
+    def devices(self) -> list[Device]:
         """The devices each batch is split over."""
         return self._strategy.devices
 
@@ -274,8 +274,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
         first batch shows the input shapes.
         """
         self._state_initializers.append(fn)
-        if self._state is not None:
-            self.state = fn(self.state)
+        state = self.state  # None exactly when `self._state` is
+        if state is not None:
+            self.state = fn(state)
 
     def executors(self) -> list[Executor]:
         """The cached compiled steps (least recently used first), with their hit counts."""
@@ -325,8 +326,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
     # -- compilation ----------------------------------------------------------------------
 
     def _compile(self, graph: str, spec: Any, inputs: list, labels: list, batch: int) -> Executor:
-        """Compiles the `graph` step for this (validated) batch of `batch` examples; creates
-        the state first if there is none.
+        """Compiles the `graph` step for this (validated) batch of `batch` examples.
+
+        Creates the state first if there is none.
         """
         strategy, steps = self._strategy, self._steps
         local = strategy.local_devices
@@ -398,7 +400,10 @@ class Trainer(StateAccess, EvalSteps, Predict):
         strategy = self._strategy
         if strategy.multi_process:
             micro = self._steps.config.accumulate
-            inputs, labels = strategy.global_batch(inputs, micro), strategy.global_batch(labels, micro)
+            inputs, labels = (
+                strategy.global_batch(inputs, micro),
+                strategy.global_batch(labels, micro),
+            )
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
         host_train = self._steps.config.host_train

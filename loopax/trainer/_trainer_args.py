@@ -40,7 +40,9 @@ def check_callables(loss_fn: Any, optimizer: Any) -> None:
             f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
             "loopax.losses.from_name('mse') builds one from a name"
         )
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
             "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"

@@ -1,5 +1,6 @@
-"""The Trainer's state: placed on the devices, read and written whole or in its plain form,
-and the optimizer's live learning rate.
+"""The Trainer's state: placed on the devices, read and written whole or in plain form.
+
+Also the optimizer's live learning rate.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class StateAccess:
         self._global_step = int(np.asarray(jax.device_get(state.step)))
 
     def state_dict(self) -> dict | None:
-        """The train state as nested dicts of host arrays keyed by field names, or None
-        before the first step.
+        """The train state as nested dicts of host arrays keyed by field names.
+
+        None before the first step.
 
         This is what checkpoints store: `params` and `model_state` as the model names
         them, `opt_state` with optax's field names, `step`, `rng`, `train_metrics`.
@@ -131,11 +133,13 @@ class StateAccess:
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
         """Checks a state loaded before the first batch against the model's variables."""
         where, self._unverified_source = self._unverified_source, None
+        state = self.state
+        if where is None or state is None:
+            raise RuntimeError("no loaded train state awaits verification")  # never: see caller
         expected = dict(
             jax.eval_shape(self._make_initializer(spec), jax.random.PRNGKey(self.seed), inputs)
         )
         expected_params = expected.pop("params", {})
-        state = self.state
         from_plain(
             {"params": expected_params, "model_state": expected},
             to_plain({"params": state.params, "model_state": state.model_state}),
@@ -144,16 +148,19 @@ class StateAccess:
 
     @property
     def learning_rate(self) -> float | None:
-        """The optimizer's live learning rate, or None when it has none to read (build it
-        with `loopax.optimizers` or `optax.inject_hyperparams`) or before the first step.
+        """The optimizer's live learning rate, or None when it has none or before the first step.
+
+        To have one to read, build the optimizer with `loopax.optimizers` or
+        `optax.inject_hyperparams`.
         """
         rate = self.learning_rate_array()
         return None if rate is None else float(np.asarray(jax.device_get(rate)))
 
     def learning_rate_array(self) -> Any:
-        """The live learning rate, without waiting for the device: the host value when no
-        schedule drives it, else a device copy (the state's own buffers are reused by the
-        next step); None as `learning_rate`.
+        """The live learning rate, without waiting for the device; None as `learning_rate`.
+
+        The host value when no schedule drives it, else a device copy (the state's own
+        buffers are reused by the next step).
         """
         if self._state is None:
             return None
@@ -187,8 +194,10 @@ class StateAccess:
         self.state = state.replace(opt_state=set_learning_rate(state.opt_state, value))
 
     def nnx_module(self) -> Any:
-        """The `flax.nnx.Module` this trainer trains, updated in place with the current
-        parameters and model state, ready to call (`module.eval()` for inference).
+        """The `flax.nnx.Module` this trainer trains, updated in place with the trained values.
+
+        It holds the current parameters and model state, ready to call (`module.eval()` for
+        inference).
 
         Raises:
           TypeError: the trainer's model is not an NNX module.
