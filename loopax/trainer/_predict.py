@@ -102,9 +102,14 @@ class Predict:
             ]
         if not parts:
             raise ValueError("predict got no examples")
-        # Not strict: a Dataset's batches of different specs may give different numbers of
-        # outputs; the outputs all batches have are kept, as before.
-        outputs = [np.concatenate(column) for column in zip(*parts, strict=False)]
+        counts = sorted({len(part) for part in parts})
+        if len(counts) != 1:
+            raise ValueError(
+                f"the model returned {counts[0]} predictions for some batches and {counts[-1]} "
+                "for others (a Dataset whose batches carry different specs?); predict needs the "
+                "same outputs for every batch: predict each spec's examples separately"
+            )
+        outputs = [np.concatenate(column) for column in zip(*parts, strict=True)]
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:

@@ -100,3 +100,18 @@ def test_errors_name_what_is_missing_or_wrong():
         trainer.predict([X, Z[:5]])
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         trainer.predict(X, batch_size=0)
+
+
+def test_a_dataset_whose_specs_give_different_output_counts_is_refused():
+    def two_heads(ctx, spec, inputs):
+        out = nn.Dense(2)(inputs[0])
+        return [out, out] if spec == "two" else out
+
+    trainer = loopax.Trainer(
+        two_heads, loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1]
+    )
+    x = np.ones((4, 3), np.float32)
+    trainer.train_step("one", [x], [np.ones((4, 2), np.float32)])
+    batches = [("one", [x], [x]), ("two", [x], [x])]
+    with pytest.raises(ValueError, match="returned 1 predictions for some batches and 2"):
+        trainer.predict(loopax.IterableDataset(batches, name="mixed"))
