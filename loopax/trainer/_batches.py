@@ -66,14 +66,15 @@ def validate_batch(
     labels: list,
     input_counts: dict,
     local_devices: int,
-    micro_batches: bool = False,
+    leading_axes: tuple[str, ...] = (),
 ) -> int:
     """Checks a batch's arrays; returns its (local) batch size.
 
     A train batch must divide by the local devices; an eval batch need not
-    (`eval_step` splits off and pads its remainder). With `micro_batches` (a train batch
-    under gradient accumulation) every array has a leading axis of micro-batches, the
-    same for all, and the batch size is that of one micro-batch.
+    (`eval_step` splits off and pads its remainder). With `leading_axes` (e.g.
+    `("micro-batches",)` under gradient accumulation, `("steps",)` for fused steps) every
+    array has those axes in front of its batch axis, the same for all, and the batch
+    size is that of one step's (micro-)batch.
     """
     if not inputs:
         raise ValueError(
@@ -91,9 +92,9 @@ def validate_batch(
             f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
             f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
         )
-    if micro_batches:
-        check_micro_batches(spec, inputs, labels)
-    axis = 1 if micro_batches else 0
+    if leading_axes:
+        check_leading_axes(spec, inputs, labels, leading_axes)
+    axis = len(leading_axes)
     if any(a.ndim == 0 for a in [*inputs, *labels]):
         raise ValueError(
             f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
@@ -119,30 +120,34 @@ def validate_batch(
     return batch
 
 
-def check_micro_batches(spec: Any, inputs: list, labels: list) -> None:
-    """Checks that a train batch's arrays share a leading axis of micro-batches.
+def check_leading_axes(spec: Any, inputs: list, labels: list, names: tuple[str, ...]) -> None:
+    """Checks that a train batch's arrays share the leading axes `names`.
 
-    Under gradient accumulation the micro-batch axis comes in front of the batch axis.
+    Under gradient accumulation a micro-batch axis comes in front of the batch axis, and
+    with fused steps a steps axis in front of that.
 
     Raises:
-      ValueError: an array without the two axes, or leading axes that differ.
+      ValueError: an array without those axes and a batch axis, or leading axes that differ.
     """
     arrays = [*inputs, *labels]
-    if any(a.ndim < 2 for a in arrays):
+    layout = f"({', '.join(names)}, batch, ...)"
+    if any(a.ndim <= len(names) for a in arrays):
         raise ValueError(
-            f"with accumulate_steps, each train input and label has a leading axis of "
-            f"micro-batches, shape (micro-batches, batch, ...); the batch for spec {spec!r} has "
-            f"input shapes {[a.shape for a in inputs]} and label shapes "
-            f"{[a.shape for a in labels]}. The Loop stacks the micro-batches itself; by hand, "
-            "use np.stack([batch_1, ..., batch_k])"
+            f"with {' and '.join(_WHY[name] for name in names)}, each train input and label has "
+            f"the shape {layout}; the batch for spec {spec!r} has input shapes "
+            f"{[a.shape for a in inputs]} and label shapes {[a.shape for a in labels]}. The "
+            "Loop stacks the batches itself; by hand, use np.stack([batch_1, ..., batch_k])"
         )
-    counts = sorted({int(a.shape[0]) for a in arrays})
+    counts = sorted({tuple(a.shape[: len(names)]) for a in arrays})
     if len(counts) != 1:
         raise ValueError(
-            f"the train batch for spec {spec!r} mixes micro-batch counts {counts} (input shapes "
-            f"{[a.shape for a in inputs]}, label shapes {[a.shape for a in labels]}); every "
-            "input and label needs the same leading axis of micro-batches"
+            f"the train batch for spec {spec!r} mixes leading {layout[1:-9]} sizes {counts} "
+            f"(input shapes {[a.shape for a in inputs]}, label shapes "
+            f"{[a.shape for a in labels]}); every input and label needs the same shape {layout}"
         )
+
+
+_WHY = {"micro-batches": "accumulate_steps", "steps": "fused steps (steps_per_execution)"}
 
 
 def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[list, ...]:

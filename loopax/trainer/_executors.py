@@ -56,12 +56,18 @@ class ExecutorCache:
     Fast keys are an index only: hits and recency are those of the executor's own key.
     """
 
-    def __init__(self, max_size: int, local_devices: int = 1, micro_batches: bool = False):
+    def __init__(
+        self,
+        max_size: int,
+        local_devices: int = 1,
+        leading_axes: dict[str, tuple[str, ...]] | None = None,
+    ):
         if not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
         self.max_size = max_size
         self.local_devices = local_devices
-        self.micro_batches = micro_batches  # train batches carry a micro-batch axis
+        # Per graph, the axes its batches carry in front of the batch axis.
+        self.leading_axes = leading_axes or {}
         # Inputs and labels per spec, as first used: a spec keeps its arrangement.
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
         self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
@@ -104,7 +110,6 @@ class ExecutorCache:
         )
         executor = self.get(key)
         if executor is None:
-            micro_batches = self.micro_batches and graph == "train"
             batch = validate_batch(
                 graph,
                 spec,
@@ -113,7 +118,7 @@ class ExecutorCache:
                 labels,
                 self._input_counts,
                 self.local_devices,
-                micro_batches,
+                self.leading_axes.get(graph, ()),
             )
             executor = build(graph, spec, inputs, labels, batch)
             self.put(key, executor)

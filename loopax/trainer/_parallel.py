@@ -61,7 +61,7 @@ class Strategy:
         """The state as one copy (no device axis)."""
         return state
 
-    def global_batch(self, arrays: list[Any], micro_batches: bool = False) -> list[Any]:
+    def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
         """The program's input for this process's batch `arrays` (unchanged here)."""
         return arrays
 
@@ -135,12 +135,11 @@ class MultiProcess(Strategy):
 
     def __init__(self, devices: Sequence[Device]):
         super().__init__(devices)
-        self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
-        self._micro_batch_sharding = NamedSharding(self.mesh, P(None, AXIS))
+        self._shardings = [NamedSharding(self.mesh, P(*([None] * axis), AXIS)) for axis in range(3)]
 
-    def global_batch(self, arrays: list[Any], micro_batches: bool = False) -> list[Any]:
-        """Global arrays assembled from each process's local share (of each micro-batch)."""
-        sharding = self._micro_batch_sharding if micro_batches else self._batch_sharding
+    def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
+        """Global arrays assembled from each process's local share, split on `batch_axis`."""
+        sharding = self._shardings[batch_axis]
         return [jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in arrays]
 
 

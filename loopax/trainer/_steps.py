@@ -409,6 +409,25 @@ class StepBuilder:
         )
         return new_state, values
 
+    def train_steps(self, spec, rng, state: TrainState, inputs, labels):
+        """Per-device: `train` over the leading steps axis of `inputs`/`labels`, in one scan.
+
+        Returns the new state and `(stacked, last, host)`: the compiled metrics' values of
+        every step (a leading steps axis), those of the last step, and the host metrics'
+        step values of all the steps folded into one.
+        """
+        host_count = len(self.config.host_train.metrics)
+
+        def one_step(state, batch):
+            return self.train(spec, rng, state, *batch)
+
+        state, values = jax.lax.scan(one_step, state, (list(inputs), list(labels)))
+        split = len(values) - host_count
+        stacked = tuple(values[:split])
+        last = tuple(v[-1] for v in stacked)
+        host = tuple(v.of_micro_batches() for v in values[split:])
+        return state, (stacked, last, host)
+
     def predict(self, spec, rng, state: TrainState, inputs):
         """Per-device: the model's predictions (eval mode) for this device's shard."""
         predictions, _, _ = self._apply(

@@ -161,9 +161,9 @@ class Trainer(StateAccess, EvalSteps, Predict):
         self._train_metric_names = (*RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
         self._step_metric_names = self._metric_names_of(config)
         self.eval_metric_names = (*RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
-        self._cache = ExecutorCache(
-            max_executors, self._strategy.local_devices, micro_batches=config.accumulate
-        )
+        micro: tuple[str, ...] = ("micro-batches",) if config.accumulate else ()
+        self._leading_axes = {"train": micro, "train_steps": ("steps", *micro)}
+        self._cache = ExecutorCache(max_executors, self._strategy.local_devices, self._leading_axes)
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         self._state_initializers: list[Callable[[TrainState], TrainState]] = []
         # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).
@@ -334,17 +334,19 @@ class Trainer(StateAccess, EvalSteps, Predict):
         local = strategy.local_devices
         # Only an eval batch gets here undivided; its step takes it in pieces that divide.
         pieces = split_uneven_batch(inputs, labels, local) if batch % local else None
-        micro = graph == "train" and steps.config.accumulate
-        model_inputs = [a[0] for a in inputs] if micro else inputs if pieces is None else pieces[0]
+        leading = len(self._leading_axes.get(graph, ()))  # axes in front of the batch axis
+        model_inputs = inputs if pieces is None else pieces[0]
+        model_inputs = [a[(0,) * leading] for a in model_inputs]  # one step's (micro-)batch
         if self._state is None:
             self._initialize(spec, model_inputs)
         elif self._unverified_source is not None:
             self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
         started = time.perf_counter()
-        if graph == "train":
-            body = functools.partial(steps.train, spec, self._rng)
-            run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=1 if micro else 0)
-            args = (self._state, *(strategy.global_batch(b, micro) for b in (inputs, labels)))
+        if graph in ("train", "train_steps"):
+            body = steps.train if graph == "train" else steps.train_steps
+            body = functools.partial(body, spec, self._rng)
+            run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
+            args = (self._state, *(strategy.global_batch(b, leading) for b in (inputs, labels)))
         elif graph == "predict":
             body = functools.partial(steps.predict, spec, self._rng)
             run = strategy.wrap(body, 1, 1, donate=(), per_example_output=True)
@@ -399,17 +401,55 @@ class Trainer(StateAccess, EvalSteps, Predict):
         executor = self._cache.executor("train", spec, inputs, labels, self._compile)
         strategy = self._strategy
         if strategy.multi_process:
-            micro = self._steps.config.accumulate
-            inputs, labels = (
-                strategy.global_batch(inputs, micro),
-                strategy.global_batch(labels, micro),
-            )
+            leading = len(self._leading_axes["train"])
+            inputs = strategy.global_batch(inputs, leading)
+            labels = strategy.global_batch(labels, leading)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
         host_train = self._steps.config.host_train
         if host_train:  # host metrics: their step values wait, unread
             return host_train.results(self._step_metric_names, values)
         return dict(zip(self._step_metric_names, values, strict=True))
+
+    def train_steps(
+        self, spec: Any, inputs: Any, labels: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Runs n optimizer steps in one compiled program (`lax.scan`); n is the inputs' first axis.
+
+        Each input and label is n batches stacked, shape `(n, batch, ...)` (with
+        `accumulate_steps` > 1, `(n, micro-batches, batch, ...)`); the result equals n calls
+        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it. Compiled once per
+        n, spec and shape.
+
+        Returns:
+          `(stacked, last)`: every train metric with a leading axis of the n steps, and the
+          last step's metrics as `train_step` returns them. A host metric's entry is the
+          same in both: its value after the n steps.
+
+        Raises:
+          As `train_step`, and ValueError for arrays without a common leading steps axis.
+        """
+        inputs = as_list(inputs)
+        labels = as_list(labels)
+        executor = self._cache.executor("train_steps", spec, inputs, labels, self._compile)
+        strategy = self._strategy
+        if strategy.multi_process:
+            leading = len(self._leading_axes["train_steps"])
+            inputs = strategy.global_batch(inputs, leading)
+            labels = strategy.global_batch(labels, leading)
+        self._state, (stacked, last, host_values) = executor.run(self._state, inputs, labels)
+        self._global_step += int(np.shape(stacked[0])[0])
+        names = self._step_metric_names
+        host_train = self._steps.config.host_train
+        if not host_train:
+            return dict(zip(names, stacked, strict=True)), dict(zip(names, last, strict=True))
+        last_metrics = host_train.results(names, (*last, *host_values))
+        compiled = iter(stacked)
+        stacked_metrics = {
+            name: last_metrics[name] if name in host_train.names else next(compiled)
+            for name in names
+        }
+        return stacked_metrics, last_metrics
 
     def __repr__(self) -> str:
         return (
