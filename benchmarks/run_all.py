@@ -60,7 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras")
+SECTIONS = ("tiny", "medium", "devices", "keras", "fused")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -89,6 +89,13 @@ DEVICE_REFERENCE = "hand-written jit(shard_map) step"
 SHARD_MAP = 'loopax parallel="shard_map"'
 PMAP = 'loopax parallel="pmap"'
 NNX_TARGET = 0.97  # issue 12, on both workloads
+# Issue 15: the fused Loop (K=32, README hooks, on-device data) against each baseline.
+FUSED_TARGETS = {
+    "per-step": {"tiny": 1.3, "medium": 1.0, "devices": 1.3},
+    "scan": 0.95,
+    "keras": 1.5,
+}
+COMPILE_REPEATS = (3, 1)  # fresh trainers per compile-seconds figure: full run / --quick
 
 
 # -- candidates ---------------------------------------------------------------------------
@@ -319,13 +326,14 @@ def devices_worker(args: argparse.Namespace) -> None:
     print("DEVICES-JSON " + json.dumps(sections), flush=True)
 
 
-def devices_section(args: argparse.Namespace) -> list[dict]:
+def devices_section(args: argparse.Namespace, worker: str = "--devices-worker") -> list[dict]:
+    """Runs `worker` (a hidden flag of this script) in a subprocess with 4 CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICE_COUNT}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, __file__, "--devices-worker", "--rounds", str(args.rounds)]
+    command = [sys.executable, __file__, worker, "--rounds", str(args.rounds)]
     if args.quick:
         command.append("--quick")
     result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
@@ -334,6 +342,201 @@ def devices_section(args: argparse.Namespace) -> list[dict]:
             return json.loads(line[len("DEVICES-JSON ") :])
     why = f"n/a (the {DEVICE_COUNT}-device subprocess failed with exit code {result.returncode})"
     return [{"title": f"{DEVICE_COUNT} devices", "rows": [(DEVICE_REFERENCE, why)]}]
+
+
+def fused_pairs(timings: Any, reference: str, section: str, keras_row: str | None) -> list:
+    """Issue 15's targets: the fused Loop against each baseline.
+
+    The train_steps row stands in for the fused Loop until it exists.
+    """
+    import bench_fused  # noqa: PLC0415
+
+    own = bench_fused.FUSED if bench_fused.FUSED in timings.seconds else bench_fused.TRAIN_STEPS
+    name = "fused Loop" if own == bench_fused.FUSED else "train_steps (stand-in)"
+    pairs = []
+    for other, label, target in (
+        (reference, "per-step hand-written", FUSED_TARGETS["per-step"][section]),
+        (bench_fused.SCAN, "hand-written lax.scan", FUSED_TARGETS["scan"]),
+        (keras_row, "Keras fit, spe=32", FUSED_TARGETS["keras"]),
+    ):
+        if other in timings.seconds and own in timings.seconds:
+            pairs.append(
+                (
+                    f"{name} vs {label}",
+                    timings.ratio(own, other),
+                    timings.spread(own, other),
+                    target,
+                )
+            )
+    return pairs
+
+
+def fused_rows(
+    candidates: dict[str, Any], unavailable: dict[str, str], timings: Any, reference: str
+) -> list:
+    """The table rows of a fused comparison, in the candidates' order, reference first."""
+    import bench_fused  # noqa: PLC0415
+
+    rows = [(reference, timings.rate(reference), 1.0, 0.0)]
+    for row in [*candidates, bench_fused.FUSED + "whole", *unavailable]:
+        label = bench_fused.FUSED_WHOLE if row == bench_fused.FUSED + "whole" else row
+        if row == reference:
+            continue
+        if row in timings.seconds:
+            rows.append(
+                (
+                    label,
+                    timings.rate(row),
+                    timings.ratio(row, reference),
+                    timings.spread(row, reference),
+                )
+            )
+        elif row in unavailable:
+            rows.append((label, unavailable[row]))
+    return rows
+
+
+def fused_workload_section(name: str, args: argparse.Namespace) -> dict:
+    """Issue 15 on one workload: the fused Loop, K=32, against per-step, scan and Keras loops."""
+    import _common  # noqa: PLC0415
+    import bench_fused  # noqa: PLC0415
+
+    workload = _common.WORKLOADS[name]
+    steps = STEPS[name][args.quick]
+    batches = _common.make_batches(workload)
+    directory = Path(tempfile.mkdtemp(prefix=f"loopax-bench-fused-{name}-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    candidates: dict[str, Callable] = {
+        REFERENCE: _common.hand_written(workload, batches, steps),
+        bench_fused.SCAN: bench_fused.hand_written_scan(workload, batches, steps),
+    }
+    unavailable: dict[str, str] = {}
+    attach, why = _common.readme_hooks(directory)
+    for row, hooks_of in ((bench_fused.FUSED, attach), (bench_fused.FUSED_BARE, None)):
+        if row == bench_fused.FUSED and attach is None:
+            unavailable[row] = why
+            continue
+        run, why_not = bench_fused.fused_loop(workload, batches, steps, attach=hooks_of)
+        if run is None:
+            unavailable[row] = why_not
+        else:
+            candidates[row] = run
+    candidates[bench_fused.TRAIN_STEPS] = bench_fused.train_steps_direct(workload, batches, steps)
+    keras_row = None
+    if name == "tiny":
+        keras_row = KERAS.format(bench_fused.K)
+        run, why = keras_fit(workload, batches, steps, bench_fused.K)
+        if run is None:
+            unavailable[keras_row] = why
+        else:
+            candidates[keras_row] = run
+    progress(
+        f"fused/{name}: {workload.description}; {steps} steps x {args.rounds} rounds, "
+        f"{len(candidates)} candidates"
+    )
+    timings = _common.interleave(
+        candidates,
+        steps,
+        args.rounds,
+        WARMUP_ROUNDS[args.quick],
+        on_round=round_progress(f"fused/{name}"),
+    )
+    return {
+        "title": f"fused, {name}: {workload.description}, {steps} steps x {args.rounds} rounds",
+        "rows": fused_rows(candidates, unavailable, timings, REFERENCE),
+        "pairs": fused_pairs(timings, REFERENCE, name, keras_row),
+    }
+
+
+def fused_compile_section(args: argparse.Namespace) -> dict:
+    """Seconds compiling the K=32 program against the one-step program, fresh trainers."""
+    import _common  # noqa: PLC0415
+    import bench_fused  # noqa: PLC0415
+
+    repeats = COMPILE_REPEATS[args.quick]
+    progress(f"fused/compile: K=1 and K={bench_fused.K}, {repeats} fresh trainers each")
+    rows: list[tuple] = []
+    for name in ("tiny", "medium"):
+        workload = _common.WORKLOADS[name]
+        batches = _common.make_batches(workload)
+        seconds, how = bench_fused.compile_seconds(workload, batches, (1, bench_fused.K), repeats)
+        one, fused = seconds[1], seconds[bench_fused.K]
+        rows.append(
+            (
+                f"{name}: K=1 / K={bench_fused.K}",
+                f"{one:.2f} s / {fused:.2f} s  ({fused / one:.2f}x)",
+            )
+        )
+    return {
+        "title": f"fused, compile seconds (ExecInfo.compile_seconds via {how}; "
+        f"median of {repeats} fresh trainers)",
+        "rows": rows,
+        "header": False,
+    }
+
+
+def fused_devices_worker(args: argparse.Namespace) -> None:
+    """In the 4-device subprocess: the fused Loop against jit(shard_map), tiny; prints JSON."""
+    import _common  # noqa: PLC0415
+    import bench_fused  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    devices = jax.devices()[:DEVICE_COUNT]
+    if len(devices) != DEVICE_COUNT:
+        raise SystemExit(f"expected {DEVICE_COUNT} CPU devices, got {len(jax.devices())}")
+    sharding = _common.batch_sharding(devices)
+    workload = _common.TINY
+    steps = STEPS["devices-tiny"][args.quick]
+    batches = _common.make_batches(workload, sharding=sharding)
+    directory = Path(tempfile.mkdtemp(prefix="loopax-bench-fused-devices-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    candidates: dict[str, Callable] = {
+        DEVICE_REFERENCE: _common.hand_written_shard_map(workload, batches, steps, devices),
+    }
+    unavailable: dict[str, str] = {}
+    attach, why = _common.readme_hooks(directory)
+    run, why = (
+        bench_fused.fused_loop(workload, batches, steps, attach=attach, devices=devices)
+        if attach is not None
+        else (None, why)
+    )
+    if run is None:
+        unavailable[bench_fused.FUSED] = why
+    else:
+        candidates[bench_fused.FUSED] = run
+    candidates[bench_fused.TRAIN_STEPS] = bench_fused.train_steps_direct(
+        workload, batches, steps, devices=devices, sharding=sharding
+    )
+    progress(
+        f"fused/devices: {workload.description} on {DEVICE_COUNT} CPU devices; "
+        f"{steps} steps x {args.rounds} rounds"
+    )
+    timings = _common.interleave(
+        candidates,
+        steps,
+        args.rounds,
+        WARMUP_ROUNDS[args.quick],
+        on_round=round_progress("fused/devices"),
+    )
+    section = {
+        "title": f"fused, {DEVICE_COUNT} devices, tiny: {workload.description} (global batch), "
+        f"{steps} steps x {args.rounds} rounds",
+        "rows": fused_rows(candidates, unavailable, timings, DEVICE_REFERENCE),
+        "pairs": fused_pairs(timings, DEVICE_REFERENCE, "devices", None),
+    }
+    print("DEVICES-JSON " + json.dumps([section]), flush=True)
+
+
+def fused_section(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    sections = [
+        (f"fused-{name}", fused_workload_section(name, args)) for name in ("tiny", "medium")
+    ]
+    sections += [
+        ("fused-devices", section)
+        for section in devices_section(args, worker="--fused-devices-worker")
+    ]
+    sections.append(("fused-compile", fused_compile_section(args)))
+    return sections
 
 
 # -- report -------------------------------------------------------------------------------
@@ -405,7 +608,8 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
     for key, section in sections:
         print()
         print(section["title"])
-        print(f"  {'':{width}} {'steps/s':>9}  {'ratio':>13}  target")
+        if section.get("header", True):
+            print(f"  {'':{width}} {'steps/s':>9}  {'ratio':>13}  target")
         for row in section["rows"]:
             if len(row) == 2:
                 print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
@@ -444,17 +648,21 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras "
-        "(keras alone runs the Keras rows on both workloads)",
+        help="comma-separated sections among tiny, medium, devices, keras, fused "
+        "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fused-devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.quick = int(args.quick)
     if args.rounds is None:
         args.rounds = ROUNDS[args.quick]
     if args.devices_worker:
         devices_worker(args)
+        return
+    if args.fused_devices_worker:
+        fused_devices_worker(args)
         return
     only = {part.strip() for part in args.only.split(",") if part.strip()}
     unknown = only - set(SECTIONS)
@@ -474,6 +682,8 @@ def main() -> None:
         sections.append((name, workload_section(name, args, loopax_rows, keras_rows)))
     if "devices" in only:
         sections += [("devices", section) for section in devices_section(args)]
+    if "fused" in only:
+        sections += fused_section(args)
     print_table(sections, started, load_before)
 
 
