@@ -131,7 +131,7 @@ def loopax_run(workload: Workload, batches: Sequence[Batch], steps: int, **optio
             **options,
         )
     except TypeError as err:
-        return None, f"n/a (Trainer does not take {', '.join(options)}: {err})"
+        return None, f"n/a (Trainer does not take {', '.join(options)}: {type(err).__name__})"
     loop = loopax.Loop(trainer)
     dataset = CyclingDataset(batches)
     loop.run_steps(dataset, 2)  # compile

@@ -16,6 +16,7 @@ needs_four_devices = pytest.mark.skipif(
 )
 DEVICE_COUNTS = [1, pytest.param(4, marks=needs_four_devices)]
 BATCH = 8
+ONE_DEVICE = jax.devices()[:1]
 
 
 def squared_error(labels, predictions):
@@ -105,16 +106,28 @@ def test_a_non_trainable_variable_is_kept_across_steps_and_averaged_across_devic
         counting_model, squared_error, optax.sgd(0.1), devices=jax.devices()[:devices]
     )
     rng = np.random.default_rng(0)
-    for step in range(5):
+    calls = []
+    for _ in range(5):
         # Each device's quarter of the batch has a different mean.
         x = (rng.normal(size=(BATCH, 3)) + np.arange(BATCH)[:, None]).astype(np.float32)
         trainer.train_step(None, [x], [x[:, :1]])
-        assert model_state_value(trainer, "calls") == step + 1
+        calls.append(float(model_state_value(trainer, "calls")))
         np.testing.assert_allclose(model_state_value(trainer, "batch_mean"), x.mean(), rtol=1e-5)
+    assert np.diff(calls).tolist() == [1.0] * 4  # one increment a step, on every device count
     assert not {"calls", "batch_mean"} & param_names(trainer)
     before = model_state_value(trainer, "calls")
     trainer.eval_step(None, [x], [x[:, :1]])
     assert model_state_value(trainer, "calls") == before  # eval steps leave it alone
+
+
+def test_the_first_step_reads_the_initial_value_of_a_non_trainable_variable():
+    # Creating the variables runs the model once before the first step; what that run
+    # writes must not count as a step (GoMLX has no such run; Flax's BatchNorm skips its
+    # update while initializing for the same reason).
+    trainer = loopax.Trainer(counting_model, squared_error, optax.sgd(0.1), devices=ONE_DEVICE)
+    x = np.ones((BATCH, 3), np.float32)
+    trainer.train_step(None, [x], [x[:, :1]])
+    assert model_state_value(trainer, "calls") == 1.0
 
 
 # -- ctx.global_step -----------------------------------------------------------------------
