@@ -6,6 +6,7 @@ the mean is over the masked-in entries only. Losses compute in float32 and retur
 predictions' dtype.
 """
 
+from ._adaptive_power import adaptive_power_loss as adaptive_power_loss
 from ._crossentropy import binary_crossentropy as binary_crossentropy
 from ._crossentropy import binary_crossentropy_logits as binary_crossentropy_logits
 from ._crossentropy import categorical_crossentropy as categorical_crossentropy
@@ -17,8 +18,10 @@ from ._registry import from_name as from_name
 from ._regression import huber as huber
 from ._regression import mean_absolute_error as mean_absolute_error
 from ._regression import mean_squared_error as mean_squared_error
+from ._triplet import triplet as triplet
 
 __all__ = [
+    "adaptive_power_loss",
     "binary_crossentropy",
     "binary_crossentropy_logits",
     "categorical_crossentropy",
@@ -28,4 +31,5 @@ __all__ = [
     "mean_absolute_error",
     "mean_squared_error",
     "sparse_categorical_crossentropy_logits",
+    "triplet",
 ]

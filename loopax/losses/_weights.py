@@ -80,6 +80,67 @@ def check_same_shape(loss_name: str, labels: Array, predictions: Array) -> None:
         )
 
 
+def split_extras(
+    loss_name: str,
+    extras: Sequence[Array],
+    allowed_shapes: dict[tuple[int, ...], str],
+) -> tuple[Array | None, Array | None]:
+    """Returns `(mask, weights)` from the extra labels, each None when not given.
+
+    Args:
+        loss_name: name used in error messages.
+        extras: `labels[1:]`: at most one bool mask and one float weights array, any order.
+        allowed_shapes: the shapes an extra label may have, each mapped to a short
+            description for error messages.
+
+    Returns:
+        The bool mask and the float weights, as given (no broadcasting).
+
+    Raises:
+        ValueError: if an extra label has an unexpected dtype or shape, or if two masks or
+            two weights arrays are given.
+    """
+    mask = None
+    weights = None
+    for position, extra in enumerate(extras, start=1):
+        is_mask = extra.dtype == jnp.bool_
+        is_weights = jnp.issubdtype(extra.dtype, jnp.floating)
+        if not (is_mask or is_weights) or extra.shape not in allowed_shapes:
+            expected = " or ".join(
+                f"{shape} ({description})" for shape, description in allowed_shapes.items()
+            )
+            raise ValueError(
+                f"{loss_name}: extra label labels[{position}] has shape {extra.shape} and "
+                f"dtype {extra.dtype}; expected a bool mask or float weights of shape "
+                f"{expected}"
+            )
+        if (mask if is_mask else weights) is not None:
+            kind = "bool mask" if is_mask else "float weights array"
+            raise ValueError(
+                f"{loss_name}: labels[{position}] is a second {kind}; pass at most one bool "
+                "mask and one float weights array"
+            )
+        if is_mask:
+            mask = extra
+        else:
+            weights = extra
+    return mask, weights
+
+
+def masked_mean(values: Array, mask: Array | None, out_dtype: jnp.dtype) -> Array:
+    """The mean of `values` over the entries where `mask` (broadcast to them) is True.
+
+    Without a mask, the plain mean. Masked-out entries are dropped with `where` rather than
+    a product, so they may hold inf or NaN (padding); everything masked out gives 0.
+    """
+    if mask is None:
+        return jnp.mean(values).astype(out_dtype)
+    mask = jnp.broadcast_to(mask, values.shape)
+    total = jnp.sum(jnp.where(mask, values, 0))
+    count = jnp.sum(mask, dtype=values.dtype)
+    return (total / jnp.maximum(count, 1)).astype(out_dtype)
+
+
 def reduce_loss(
     loss_name: str,
     per_element: Array,
@@ -106,39 +167,16 @@ def reduce_loss(
         ValueError: if an extra label has an unexpected dtype or shape, or if two masks or
             two weights arrays are given.
     """
-    mask = None
-    weights = None
-    for position, extra in enumerate(extras, start=1):
-        is_mask = extra.dtype == jnp.bool_
-        is_weights = jnp.issubdtype(extra.dtype, jnp.floating)
-        if not (is_mask or is_weights) or extra.shape not in allowed_shapes:
-            expected = " or ".join(
-                f"{shape} ({description})" for shape, description in allowed_shapes.items()
-            )
-            raise ValueError(
-                f"{loss_name}: extra label labels[{position}] has shape {extra.shape} and "
-                f"dtype {extra.dtype}; expected a bool mask or float weights of shape "
-                f"{expected}"
-            )
-        if (mask if is_mask else weights) is not None:
-            kind = "bool mask" if is_mask else "float weights array"
-            raise ValueError(
-                f"{loss_name}: labels[{position}] is a second {kind}; pass at most one bool "
-                "mask and one float weights array"
-            )
-        # Trailing singleton axes let `[batch]` weights broadcast over `[batch, ...]` losses.
-        expanded = extra.reshape(extra.shape + (1,) * (per_element.ndim - extra.ndim))
-        if is_mask:
-            mask = expanded
-        else:
-            weights = expanded.astype(per_element.dtype)
-
+    mask, weights = split_extras(loss_name, extras, allowed_shapes)
     if weights is not None:
-        per_element = per_element * weights
-    if mask is None:
-        return jnp.mean(per_element).astype(out_dtype)
-    mask = jnp.broadcast_to(mask, per_element.shape)
-    # `where` rather than a product: masked-out entries may hold inf or NaN (padding).
-    total = jnp.sum(jnp.where(mask, per_element, 0))
-    count = jnp.sum(mask, dtype=per_element.dtype)
-    return (total / jnp.maximum(count, 1)).astype(out_dtype)
+        per_element = per_element * expand_trailing(weights, per_element.ndim).astype(
+            per_element.dtype
+        )
+    if mask is not None:
+        mask = expand_trailing(mask, per_element.ndim)
+    return masked_mean(per_element, mask, out_dtype)
+
+
+def expand_trailing(array: Array, ndim: int) -> Array:
+    """Adds trailing singleton axes up to `ndim`, so `[batch]` broadcasts over `[batch, ...]`."""
+    return array.reshape(array.shape + (1,) * (ndim - array.ndim))

@@ -14,6 +14,8 @@ from ._optimizers import sgd as sgd
 from ._schedules import constant_schedule as constant_schedule
 from ._schedules import cosine_decay as cosine_decay
 from ._schedules import exponential_decay as exponential_decay
+from ._schedules import periodic_cosine as periodic_cosine
+from ._schedules import schedule_from_name as schedule_from_name
 from ._schedules import warmup_cosine as warmup_cosine
 
 __all__ = [
@@ -24,7 +26,9 @@ __all__ = [
     "exponential_decay",
     "from_name",
     "get_learning_rate",
+    "periodic_cosine",
     "rmsprop",
+    "schedule_from_name",
     "set_learning_rate",
     "sgd",
     "warmup_cosine",

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 _LEARNING_RATE = "learning_rate"
 
@@ -102,7 +103,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         raise ValueError(
             f"set_learning_rate: the learning rate must be a scalar, got shape {np.shape(value)}."
         )
-    if not isinstance(value, jax.core.Tracer) and np.any(np.asarray(value) < 0):
+    if not isinstance(value, Tracer) and np.any(np.asarray(value) < 0):
         raise ValueError(f"set_learning_rate: learning rate {value!r} must be non-negative.")
     if not _injected_states(opt_state):
         raise ValueError(
@@ -128,11 +129,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
             old = hyperparams[_LEARNING_RATE]
             new = jax.lax.full_like(old, value)
             # Committed-ness is part of jit's cache key: match it, and the placement.
-            if (
-                isinstance(old, jax.Array)
-                and not isinstance(old, jax.core.Tracer)
-                and old.committed
-            ):
+            if isinstance(old, jax.Array) and not isinstance(old, Tracer) and old.committed:
                 new = jax.device_put(new, old.sharding)
             hyperparams = {**hyperparams, _LEARNING_RATE: new}
         return node._replace(
@@ -144,9 +141,10 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
 
 
 def constant_learning_rate(opt_state: Any) -> float | None:
-    """The learning rate `get_learning_rate` finds, as a float, when no schedule drives it
-    (it then changes only through `set_learning_rate`); None otherwise or when there is none.
-    Reads the (host) value: call it on a host copy of the state.
+    """The unscheduled learning rate `get_learning_rate` finds, as a float, or None.
+
+    None when a schedule drives it or the state has none; otherwise it changes only through
+    `set_learning_rate`. Reads the (host) value: call it on a host copy of the state.
     """
     states = _injected_states(opt_state)
     if not states or _is_scheduled(states[0]):

@@ -8,8 +8,6 @@ recompiling (see ``get_learning_rate`` / ``set_learning_rate``).
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+
+from ._by_name import build_by_name
 
 LearningRate = float | optax.Schedule
 
@@ -337,23 +337,4 @@ def from_name(name: str, **hparams: Any) -> optax.GradientTransformation:
         ...
         ValueError: unknown optimizer 'adagrad'; valid names are: adam, adamw, rmsprop, sgd.
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _OPTIMIZERS:
-        raise ValueError(
-            f"unknown optimizer {name!r}; valid names are: {', '.join(sorted(_OPTIMIZERS))}."
-        )
-    factory = _OPTIMIZERS[key]
-    valid = list(inspect.signature(factory).parameters)
-    unknown = [keyword for keyword in hparams if keyword not in valid]
-    if unknown:
-        hints = []
-        for keyword in unknown:
-            close = difflib.get_close_matches(keyword, valid, n=1)
-            if close:
-                hints.append(f" (did you mean {close[0]!r} for {keyword!r}?)")
-        raise TypeError(
-            f"optimizer {key!r} got unknown hyperparameter(s) "
-            f"{', '.join(repr(keyword) for keyword in unknown)}{''.join(hints)}; "
-            f"valid ones are: {', '.join(valid)}."
-        )
-    return factory(**hparams)
+    return build_by_name("optimizer", name, _OPTIMIZERS, hparams)

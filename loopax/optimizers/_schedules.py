@@ -1,13 +1,22 @@
-"""Learning-rate schedules: thin, validated factories over optax schedules.
+"""Learning-rate schedules: validated optax schedules and GoMLX's periodic cosine.
 
 Each factory returns a plain ``optax.Schedule`` (a function of the update count), so any
 loopax optimizer accepts it as ``learning_rate``. Invalid settings raise at construction
-instead of optax's warn-and-fall-back behaviour.
+instead of optax's warn-and-fall-back behaviour. ``schedule_from_name`` builds any of them
+from its name, as in configuration files.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
 import optax
+
+from ._by_name import build_by_name
 
 
 def _require_positive_steps(function: str, argument: str, steps: int) -> None:
@@ -43,8 +52,8 @@ def constant_schedule(value: float) -> optax.Schedule:
 def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> optax.Schedule:
     """Returns a cosine decay from ``init_value`` to ``alpha * init_value``.
 
-    The value at step ``t`` is
-    ``init_value * ((1 - alpha) * 0.5 * (1 + cos(pi * min(t, decay_steps) / decay_steps)) + alpha)``.
+    The value at step ``t``, with ``progress = min(t, decay_steps) / decay_steps``, is
+    ``init_value * ((1 - alpha) * 0.5 * (1 + cos(pi * progress)) + alpha)``.
 
     Args:
         init_value: the value at step 0.
@@ -177,3 +186,170 @@ def exponential_decay(
         staircase=staircase,
         end_value=end_value,
     )
+
+
+def _check_value(function: str, argument: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{function}: {argument}={value!r} must be a non-negative finite number.")
+    return float(value)
+
+
+def periodic_cosine(
+    init_value: float,
+    period_steps: int | None = None,
+    min_value: float = 0.0,
+    warmup_steps: int = 0,
+    *,
+    num_cycles: int | None = None,
+    total_steps: int | None = None,
+) -> optax.Schedule:
+    """Returns GoMLX's cosine annealing schedule, which restarts at every period.
+
+    At step ``t`` (the number of updates done so far), with ``a = t - warmup_steps``:
+
+    - during the warmup (``a < 0``), the value rises linearly:
+      ``min_value + (init_value - min_value) * t / warmup_steps``;
+    - afterwards, with ``fraction = (a mod period) / period`` in ``[0, 1)``, it is
+      ``min_value + (init_value - min_value) * (1 + cos(pi * fraction)) / 2``.
+
+    So the value falls from ``init_value`` towards ``min_value`` over each period and jumps
+    back to ``init_value`` at the start of the next one (unlike ``cosine_decay``, which
+    stays at its end value). As in GoMLX (``cosineschedule``), give either the period in
+    steps or a number of cycles over ``total_steps`` (then
+    ``period = (total_steps - warmup_steps) / num_cycles``, possibly fractional), and the
+    warmup starts at ``min_value``.
+
+    Args:
+        init_value: the value at the start of each period (the peak).
+        period_steps: the length of one period in steps; a positive integer. Exclusive
+            with ``num_cycles``.
+        min_value: the value the cosine approaches at the end of each period; in
+            ``[0, init_value]``.
+        warmup_steps: the number of linear warmup steps before the first period (0 for
+            none).
+        num_cycles: the number of periods in ``total_steps`` after the warmup; a positive
+            integer. Exclusive with ``period_steps``.
+        total_steps: the number of steps of the whole training; needed with ``num_cycles``.
+
+    Returns:
+        An ``optax.Schedule``; any loopax optimizer takes it as ``learning_rate``, and
+        ``get_learning_rate`` reads the value of the last update.
+
+    Raises:
+        ValueError: if neither or both of ``period_steps`` and ``num_cycles`` are given,
+            ``total_steps`` is missing or not larger than ``warmup_steps`` with
+            ``num_cycles`` (or given without it), a step count is not an integer of the
+            right sign, or ``min_value`` is outside ``[0, init_value]``.
+
+    Example:
+        >>> from loopax.optimizers import periodic_cosine
+        >>> schedule = periodic_cosine(1.0, period_steps=100, min_value=0.001)
+        >>> [round(float(schedule(step)), 4) for step in (0, 50, 99, 100, 150)]
+        [1.0, 0.5005, 0.0012, 1.0, 0.5005]
+        >>> warm = periodic_cosine(1.0, period_steps=100, warmup_steps=10)
+        >>> [round(float(warm(step)), 4) for step in (0, 5, 10, 60, 110)]
+        [0.0, 0.5, 1.0, 0.5, 1.0]
+    """
+    function = "periodic_cosine"
+    init_value = _check_value(function, "init_value", init_value)
+    min_value = _check_value(function, "min_value", min_value)
+    if min_value > init_value:
+        raise ValueError(
+            f"{function}: min_value={min_value!r} must not exceed init_value={init_value!r}."
+        )
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(
+            f"{function}: warmup_steps={warmup_steps!r} must be a non-negative integer."
+        )
+    if period_steps is not None and num_cycles is None:
+        _require_positive_steps(function, "period_steps", period_steps)
+        if total_steps is not None:
+            raise ValueError(
+                f"{function}: total_steps={total_steps!r} is only used with num_cycles; "
+                "drop it, or give num_cycles instead of period_steps."
+            )
+        period = float(period_steps)
+    elif num_cycles is not None and period_steps is None:
+        _require_positive_steps(function, "num_cycles", num_cycles)
+        if total_steps is None:
+            raise ValueError(
+                f"{function}: num_cycles={num_cycles!r} needs total_steps, the number of "
+                "training steps the cycles split (after the warmup)."
+            )
+        _require_positive_steps(function, "total_steps", total_steps)
+        if total_steps <= warmup_steps:
+            raise ValueError(
+                f"{function}: total_steps={total_steps} must be larger than "
+                f"warmup_steps={warmup_steps}, so that the cycles have steps to split."
+            )
+        period = (total_steps - warmup_steps) / num_cycles
+    else:
+        raise ValueError(
+            f"{function}: give exactly one of period_steps (the length of a period in steps) "
+            f"or num_cycles (with total_steps); got period_steps={period_steps!r} and "
+            f"num_cycles={num_cycles!r}."
+        )
+    span = init_value - min_value
+
+    def schedule(count: Any) -> Any:
+        step = jnp.asarray(count, jnp.float32)
+        after_warmup = step - warmup_steps
+        # fmod is exact in floating point, so the phase stays accurate on long runs.
+        fraction = jnp.mod(after_warmup, period) / period
+        value = min_value + span * 0.5 * (1.0 + jnp.cos(jnp.pi * fraction))
+        if warmup_steps > 0:
+            warming = min_value + span * jnp.minimum(step / warmup_steps, 1.0)
+            value = jnp.where(after_warmup < 0, warming, value)
+        return value
+
+    return schedule
+
+
+_SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
+    "constant": constant_schedule,
+    "constant_schedule": constant_schedule,
+    "cosine_decay": cosine_decay,
+    "exponential_decay": exponential_decay,
+    "periodic_cosine": periodic_cosine,
+    "warmup_cosine": warmup_cosine,
+}
+
+
+def schedule_from_name(name: str, **kwargs: Any) -> optax.Schedule:
+    """Returns the learning-rate schedule called ``name`` built with ``kwargs``.
+
+    Args:
+        name: one of ``"constant"`` (or ``"constant_schedule"``), ``"cosine_decay"``,
+            ``"exponential_decay"``, ``"periodic_cosine"``, ``"warmup_cosine"``
+            (case-insensitive).
+        **kwargs: the arguments of that schedule's factory, e.g. ``init_value`` and
+            ``period_steps`` for ``"periodic_cosine"``.
+
+    Returns:
+        The ``optax.Schedule``, to pass as any loopax optimizer's ``learning_rate``.
+
+    Raises:
+        ValueError: if ``name`` is unknown (the message lists the valid names), or the
+            factory rejects the values.
+        TypeError: if an argument is not one of that factory's (the message names it and
+            lists the valid ones).
+
+    Example:
+        >>> from loopax.optimizers import get_learning_rate, schedule_from_name, sgd
+        >>> schedule = schedule_from_name("periodic_cosine", init_value=0.5, period_steps=4)
+        >>> [round(float(schedule(step)), 4) for step in range(6)]
+        [0.5, 0.4268, 0.25, 0.0732, 0.5, 0.4268]
+        >>> float(get_learning_rate(sgd(schedule).init({"w": 0.0})))
+        0.5
+        >>> schedule_from_name("cosine")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown schedule 'cosine'; valid names are: constant, constant_schedule, \
+cosine_decay, exponential_decay, periodic_cosine, warmup_cosine.
+    """
+    return build_by_name("schedule", name, _SCHEDULES, kwargs)

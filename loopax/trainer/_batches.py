@@ -66,11 +66,14 @@ def validate_batch(
     labels: list,
     input_counts: dict,
     local_devices: int,
+    micro_batches: bool = False,
 ) -> int:
     """Checks a batch's arrays; returns its (local) batch size.
 
     A train batch must divide by the local devices; an eval batch need not
-    (`eval_step` splits off and pads its remainder).
+    (`eval_step` splits off and pads its remainder). With `micro_batches` (a train batch
+    under gradient accumulation) every array has a leading axis of micro-batches, the
+    same for all, and the batch size is that of one micro-batch.
     """
     if not inputs:
         raise ValueError(
@@ -88,7 +91,10 @@ def validate_batch(
             f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
             f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
         )
-    sizes = {int(a.shape[0]) if a.ndim else None for a in [*inputs, *labels]}
+    if micro_batches:
+        check_micro_batches(spec, inputs, labels)
+    axis = 1 if micro_batches else 0
+    sizes = {int(a.shape[axis]) if a.ndim > axis else None for a in [*inputs, *labels]}
     if None in sizes:
         raise ValueError(
             f"the {graph} batch for spec {spec!r} has a scalar input or label; every array "
@@ -111,6 +117,31 @@ def validate_batch(
     if graph != "predict":
         input_counts[key_spec] = counts
     return batch
+
+
+def check_micro_batches(spec: Any, inputs: list, labels: list) -> None:
+    """Under gradient accumulation, a train batch's arrays must all have the same leading
+    axis of micro-batches, in front of the batch axis.
+
+    Raises:
+      ValueError: an array without the two axes, or leading axes that differ.
+    """
+    arrays = [*inputs, *labels]
+    if any(a.ndim < 2 for a in arrays):
+        raise ValueError(
+            f"with accumulate_steps, each train input and label has a leading axis of "
+            f"micro-batches, shape (micro-batches, batch, ...); the batch for spec {spec!r} has "
+            f"input shapes {[a.shape for a in inputs]} and label shapes "
+            f"{[a.shape for a in labels]}. The Loop stacks the micro-batches itself; by hand, "
+            "use np.stack([batch_1, ..., batch_k])"
+        )
+    counts = sorted({int(a.shape[0]) for a in arrays})
+    if len(counts) != 1:
+        raise ValueError(
+            f"the train batch for spec {spec!r} mixes micro-batch counts {counts} (input shapes "
+            f"{[a.shape for a in inputs]}, label shapes {[a.shape for a in labels]}); every "
+            "input and label needs the same leading axis of micro-batches"
+        )
 
 
 def split_uneven_batch(inputs: list, labels: list, num_devices: int) -> tuple[list, ...]:

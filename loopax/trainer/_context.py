@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+VARIABLES = "variables"  # the model-state collection of non-trainable `ctx.variable`s
 ModelFn = Callable[["Context", Any, list[jax.Array]], Any]
 
 
@@ -24,14 +25,72 @@ class Context:
       axis_name: the device axis name, for collectives such as `jax.lax.pmean(x,
         ctx.axis_name)` (cross-device batch statistics).
       spec: the batch's spec.
+      global_step: the optimizer steps taken before this step, a traced int32 scalar (0 in
+        the first train step; the same in every micro-batch of an accumulated step; the
+        trainer's `global_step` in an eval step). Like GoMLX's global step, e.g. for
+        schedules computed inside the model.
     """
 
-    def __init__(self, module: nn.Module, training: bool, axis_name: str, spec: Any):
+    def __init__(
+        self,
+        module: nn.Module,
+        training: bool,
+        axis_name: str,
+        spec: Any,
+        global_step: jax.Array | None = None,
+    ):
         self._module = module
         self.training = training
         self.axis_name = axis_name
         self.spec = spec
+        self.global_step = jnp.zeros((), jnp.int32) if global_step is None else global_step
         self._losses: list[jax.Array] = []
+
+    def variable(self, name: str, init: Any, trainable: bool = True) -> Any:
+        """A variable of the model function, created on the first step (GoMLX's
+        `VariableWithValue`), without writing a Flax module.
+
+        Args:
+          name: unique among this model function's variables.
+          init: its initial value (a number or an array), or `init(key) -> array` called
+            once with a key of the `"params"` stream.
+          trainable: trained with the parameters (in `trainer.params[name]`), or model
+            state (in `trainer.state.model_state["variables"][name]`): kept across steps,
+            written by the model, averaged across devices after each train step.
+
+        Returns:
+          Trainable: its current value, an array. Not trainable: a handle whose `.value`
+          reads it and `.value = x` writes it (writes in eval steps are discarded).
+
+        Raises:
+          TypeError: `name` is not a string, or `init` is neither a value nor a callable
+            returning an array.
+
+        Example:
+          >>> def model_fn(ctx, spec, inputs):
+          ...     scale = ctx.variable("scale", 1.0)
+          ...     calls = ctx.variable("calls", 0, trainable=False)
+          ...     calls.value = calls.value + 1
+          ...     return inputs[0] * scale
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"ctx.variable needs a str name, got {type(name).__name__}")
+
+        def initial(key: jax.Array) -> jax.Array:
+            value = init(key) if callable(init) else init
+            try:
+                return jnp.asarray(value)
+            except TypeError:
+                raise TypeError(
+                    f"ctx.variable({name!r}): init must be a number, an array or a callable "
+                    f"init(key) returning one; got {type(value).__name__}"
+                ) from None
+
+        if trainable:
+            return self._module.param(name, initial)
+        return self._module.variable(
+            VARIABLES, name, lambda: initial(self._module.make_rng("params"))
+        )
 
     def make_rng(self, name: str = "dropout") -> jax.Array:
         """Returns a fresh PRNG key of stream `name`: different per step and per device.
@@ -67,8 +126,10 @@ class ModelModule(nn.Module):
     axis_name: str
 
     @nn.compact
-    def __call__(self, spec: Any, inputs: list[jax.Array], training: bool):
-        ctx = Context(self, training=training, axis_name=self.axis_name, spec=spec)
+    def __call__(
+        self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None
+    ):
+        ctx = Context(self, training, self.axis_name, spec, global_step)
         predictions = self.model_fn(ctx, spec, list(inputs))
         if isinstance(predictions, (list, tuple)):
             predictions = list(predictions)

@@ -4,7 +4,7 @@ datasets shares; iterables (grain's too) are in `_iterables`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -266,3 +266,61 @@ def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
         if type(batch) is not tuple or len(batch) != 3:
             raise bad_batch_error(dataset, batch)
         yield batch
+
+
+def _stack(arrays: list[Any]) -> Any:
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.stack(arrays)
+    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
+
+    return jnp.stack(arrays)
+
+
+def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
+    """`yield_batch` for gradient accumulation: up to `count` consecutive batches of
+    `dataset`, each input and label stacked on a new leading axis.
+
+    A group ends early when the dataset ends after its first batch (one optimizer step
+    over fewer micro-batches); `StopIteration` only when no batch is left.
+
+    Raises:
+      ValueError: a batch is not `(spec, inputs, labels)`, or the batches of one group
+        differ in spec, number of arrays or shapes (they cannot be stacked).
+    """
+    yield_batch = dataset.yield_batch
+
+    def read() -> Batch:
+        group = []
+        while len(group) < count:
+            try:
+                batch = yield_batch()
+            except StopIteration:
+                if not group:
+                    raise
+                break
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            spec, inputs, labels = batch[0], as_list(batch[1]), as_list(batch[2])
+            if group:
+                _check_same_kind(dataset, group[0], (spec, inputs, labels), len(group), count)
+            group.append((spec, inputs, labels))
+        spec = group[0][0]
+        inputs = [_stack([g[1][i] for g in group]) for i in range(len(group[0][1]))]
+        labels = [_stack([g[2][i] for g in group]) for i in range(len(group[0][2]))]
+        return spec, inputs, labels
+
+    return read
+
+
+def _check_same_kind(dataset: Any, first: tuple, batch: tuple, index: int, count: int) -> None:
+    def shapes(b: tuple) -> tuple:
+        return [np.shape(a) for a in b[1]], [np.shape(a) for a in b[2]]
+
+    if first[0] != batch[0] or shapes(first) != shapes(batch):
+        raise ValueError(
+            f"dataset {getattr(dataset, 'name', dataset)!r}: with accumulate_steps={count} the "
+            f"{count} batches of one optimizer step are stacked, so they need one spec and one "
+            f"shape; micro-batch {index} has spec {batch[0]!r} and shapes {shapes(batch)}, the "
+            f"first has spec {first[0]!r} and shapes {shapes(first)}. Give every batch the same "
+            "size (e.g. ArrayDataset(..., drop_remainder=True))"
+        )

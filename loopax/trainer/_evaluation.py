@@ -15,6 +15,7 @@ from ._iterables import evaluation_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor
+    from ._parallel import Strategy
     from ._steps import StepBuilder
 
 
@@ -26,11 +27,8 @@ class EvalSteps:
     _steps: StepBuilder
     _state: Any
     _eval_states: Any
-    _local_devices: int
-    _multi_process: bool
+    _strategy: Strategy
     _executor: Callable[..., Executor]
-    _place_state: Callable[[Any], Any]
-    _to_global: Callable[[list], list]
 
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
@@ -38,7 +36,7 @@ class EvalSteps:
 
     def _fresh_eval_states(self) -> Any:
         fresh = self._steps.fresh_eval_metrics()
-        return self._place_state(fresh)
+        return self._strategy.place_state(fresh)
 
     def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
         """Updates the running eval metrics with one batch; parameters do not change.
@@ -61,15 +59,16 @@ class EvalSteps:
         """
         inputs = as_list(inputs)
         labels = as_list(labels)
-        if self._local_devices > 1 and inputs:
+        local_devices = self._strategy.local_devices
+        if local_devices > 1 and inputs:
             shape = getattr(inputs[0], "shape", ())
-            if shape and shape[0] % self._local_devices:
+            if shape and shape[0] % local_devices:
                 return self._eval_uneven_batch(spec, inputs, labels, shape[0])
         executor = self._executor("eval", spec, inputs, labels)
         if self._eval_states is None:
             self._eval_states = self._fresh_eval_states()
-        if self._multi_process:
-            inputs, labels = self._to_global(inputs), self._to_global(labels)
+        strategy = self._strategy
+        inputs, labels = strategy.global_batch(inputs), strategy.global_batch(labels)
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
         return dict(zip(self.eval_metric_names, values))
 
@@ -79,20 +78,18 @@ class EvalSteps:
         """`eval_step` for a batch of `batch` examples that the (local) devices do not
         divide: one compiled step per shape, as for any batch (see `_split_uneven_batch`).
         """
-        if self._multi_process:
+        if self._strategy.multi_process:
             check_same_batch_size_everywhere(spec, batch)
         executor = self._executor("eval", spec, inputs, labels)
         if self._eval_states is None:
             self._eval_states = self._fresh_eval_states()
-        pieces = self._globalize(split_uneven_batch(inputs, labels, self._local_devices))
+        pieces = self._globalize(split_uneven_batch(inputs, labels, self._strategy.local_devices))
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
         return dict(zip(self.eval_metric_names, values))
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:
         """Multi-process: each piece's global arrays from this process's share."""
-        if not self._multi_process:
-            return pieces
-        return tuple(self._to_global(piece) for piece in pieces)
+        return tuple(self._strategy.global_batch(piece) for piece in pieces)
 
     def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
         """Evaluates on every batch of `dataset`; returns example-weighted means.

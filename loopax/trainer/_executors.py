@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from ._batches import signature, spec_key, validate_batch
+
 logger = logging.getLogger("loopax")
 
 
@@ -54,12 +56,63 @@ class ExecutorCache:
     Fast keys are an index only: hits and recency are those of the executor's own key.
     """
 
-    def __init__(self, max_size: int):
+    def __init__(self, max_size: int, local_devices: int = 1, micro_batches: bool = False):
         if not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
         self.max_size = max_size
+        self.local_devices = local_devices
+        self.micro_batches = micro_batches  # train batches carry a micro-batch axis
+        # Inputs and labels per spec, as first used: a spec keeps its arrangement.
+        self._input_counts: dict[Hashable, tuple[int, int]] = {}
         self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
         self._fast: dict[Hashable, Executor] = {}
+
+    def executor(
+        self,
+        graph: str,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        build: Callable[[str, Any, list, list, int], Executor],
+    ) -> Executor:
+        """The compiled step for this batch: cached, or `build(graph, spec, inputs, labels,
+        batch size)` after the batch is validated (see `validate_batch`).
+
+        The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
+        sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a step,
+        2-3% of a small model's step.
+
+        Raises:
+          TypeError, ValueError: the batch is not valid (as `validate_batch`).
+        """
+        try:
+            avals = [a.aval for a in inputs]
+            fast_key = (graph, spec, len(inputs), *avals, *[a.aval for a in labels])
+            executor = self.get_fast(fast_key)
+        except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
+            fast_key = executor = None
+        if executor is not None:
+            return executor
+        key_spec = spec_key(spec)
+        key = (graph, key_spec, signature(inputs, "inputs", spec), signature(labels, "labels", spec))
+        executor = self.get(key)
+        if executor is None:
+            micro_batches = self.micro_batches and graph == "train"
+            batch = validate_batch(
+                graph,
+                spec,
+                key_spec,
+                inputs,
+                labels,
+                self._input_counts,
+                self.local_devices,
+                micro_batches,
+            )
+            executor = build(graph, spec, inputs, labels, batch)
+            self.put(key, executor)
+        if fast_key is not None:
+            self.remember(fast_key, executor)
+        return executor
 
     def get(self, key: Hashable) -> Executor | None:
         executor = self._entries.get(key)

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._trainer import SKIPPED_STEPS
+from ._trainer_args import SKIPPED_STEPS
 
 MOVING_AVERAGE = "moving_average_loss"
 
@@ -62,7 +62,7 @@ class FiniteChecker:
     def start_run(self, trainer: Any, start_step: int) -> None:
         """A run starts at `start_step` with freshly reset train metrics."""
         self._indicator = (
-            SKIPPED_STEPS if SKIPPED_STEPS in trainer.train_metric_names else MOVING_AVERAGE
+            SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE
         )
         self._skipped_seen = 0.0
         self.checked_through = start_step - 1

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._datasets import Dataset, bad_batch_error
+from ._datasets import Dataset, bad_batch_error, micro_batch_reader
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import History
 from ._hook_registry import PHASES
@@ -302,7 +302,10 @@ class Loop(MetricsAccess):
         small model the loop's own Python shows in the step rate.
         """
         train_step = self.trainer.train_step
-        yield_batch = dataset.yield_batch
+        micro_batches = self.trainer.accumulate_steps
+        yield_batch = (
+            dataset.yield_batch if micro_batches == 1 else micro_batch_reader(dataset, micro_batches)
+        )
         push = self._in_flight.push
         record_duration = self.train_step_durations.append
         clock = time.perf_counter
@@ -359,12 +362,14 @@ class Loop(MetricsAccess):
         `dataset` is a `Dataset` or any iterable of batches (a list, a generator, a grain
         `MapDataset`, `IterDataset` or `DataLoader`), read as an `IterableDataset` named
         "train": the next run on the same object goes on where this one stopped, and a
-        checkpoint saves a grain iterator's position.
+        checkpoint saves a grain iterator's position. With `Trainer(accumulate_steps=K)`
+        a step is one optimizer step over K batches, stacked (see `Trainer`).
 
         Raises:
           TypeError: `dataset` is neither a `Dataset` nor an iterable.
-          ValueError: `steps` is negative or not an int, or the dataset yields something
-            other than `(spec, inputs, labels)`.
+          ValueError: `steps` is negative or not an int, the dataset yields something
+            other than `(spec, inputs, labels)`, or (accumulating) batches of one step
+            with different shapes.
           RuntimeError: the dataset ended before `steps` steps (OnEnd does not run), or
             raised.
           HookError: a hook raised.

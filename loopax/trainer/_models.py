@@ -57,8 +57,9 @@ class LinenModel:
         *,
         rngs: dict,
         mutable: list[str],
+        global_step: Any = None,
     ) -> tuple[tuple[list, None], dict]:
-        del spec
+        del spec, global_step
         predictions, new_state = self.module.apply(
             variables, *inputs, **self._kwargs(training), rngs=rngs, mutable=mutable
         )
@@ -125,8 +126,9 @@ class NnxModel:
         *,
         rngs: dict,
         mutable: list[str],
+        global_step: Any = None,
     ) -> tuple[tuple[list, None], dict]:
-        del spec, mutable
+        del spec, global_step, mutable
         nnx = self._nnx
         params, rng_state, rest = self._templates
         module = nnx.merge(

@@ -13,6 +13,7 @@ from ._iterables import is_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor
+    from ._parallel import Strategy
 
 DEFAULT_BATCH_SIZE = 256
 
@@ -30,10 +31,8 @@ class Predict:
 
     # Provided by `Trainer`.
     _state: Any
-    _local_devices: int
-    _multi_process: bool
+    _strategy: Strategy
     _executor: Callable[..., Executor]
-    _to_global: Callable[[list], list]
 
     def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
         """Predictions for one (local) batch, padded to `size` (a multiple of the devices)
@@ -42,12 +41,11 @@ class Predict:
         count = int(inputs[0].shape[0])
         padded = _pad_to([np.asarray(a) for a in inputs], size)
         executor = self._executor("predict", spec, padded, [])
-        if self._multi_process:
-            padded = self._to_global(padded)
-        outputs = executor.run(self._state, padded)
+        multi_process = self._strategy.multi_process
+        outputs = executor.run(self._state, self._strategy.global_batch(padded))
         results = []
         for output in outputs:
-            if self._multi_process:  # this process's examples: its devices' shards, in order
+            if multi_process:  # this process's examples: its devices' shards, in order
                 shards = sorted(output.addressable_shards, key=lambda s: s.index[0].start or 0)
                 output = np.concatenate([np.asarray(s.data) for s in shards])
             results.append(np.asarray(output)[:count])
@@ -80,7 +78,7 @@ class Predict:
                 "predict needs the model's variables: train a step first, or restore a "
                 "checkpoint (hooks.checkpoint), or give init_params= to the Trainer"
             )
-        devices = self._local_devices
+        devices = self._strategy.local_devices
         if is_dataset(x):
             parts = self._predict_dataset(x, devices)
         else:

@@ -28,6 +28,8 @@ class TrainState:
       train_metrics: the running states of the train metrics, in order: the loss's
         moving average and skipped-step count (one float32[3]: mean, count, skipped),
         then the user's train metrics.
+      loss_scale: the dynamic loss scale's state (float32[2]: scale, finite steps in a
+        row) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
     """
 
     step: jax.Array
@@ -36,6 +38,7 @@ class TrainState:
     model_state: Any
     rng: jax.Array
     train_metrics: tuple
+    loss_scale: Any = None
 
 
 def _key_name(key: Any) -> str:
@@ -115,7 +118,7 @@ def first_non_finite(tree: Any) -> str | None:
 
 
 def state_from_tree(
-    tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str
+    tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str, loss_scale: Any = None
 ) -> TrainState:
     """A `TrainState` built from its plain form alone (no model needed): the optimizer
     state's structure comes from `optimizer.init` of the tree's parameters.
@@ -131,5 +134,6 @@ def state_from_tree(
         model_state=jax.tree.map(np.asarray, tree.get("model_state", {})),
         rng=np.zeros((2,), np.uint32),
         train_metrics=fresh_train_metrics,
+        loss_scale=loss_scale,
     )
     return from_plain(template, tree, where)

@@ -1,15 +1,16 @@
-"""The per-device train and eval step bodies, and how they are made data-parallel."""
+"""The per-device train, eval and predict step bodies (see `_parallel` for how they are
+made data-parallel).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ..metrics._mean import (
     MeanState,
@@ -18,9 +19,10 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
+from ._parallel import AXIS, Strategy
+from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
 
-AXIS = "devices"
 _INIT_STREAM = 2**31 - 1  # folded into the seed for initialization; steps use 0, 1, ...
 
 LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
@@ -41,13 +43,22 @@ class LossMovingAverage:
     def init(self):
         return jnp.zeros((3,), jnp.float32)
 
-    def accumulate(self, state, loss, ok=None):
+    def accumulate(self, state, loss, ok=None, skipped=None):
+        """The state after a step of `loss`.
+
+        With `ok` (a bool scalar), a step that is not ok leaves the mean and count alone
+        and counts itself as skipped. With `skipped` only (dynamic loss scaling without
+        `skip_non_finite`), the loss is averaged in anyway, non-finite or not, and a
+        skipped step is counted.
+        """
         count = state[1] + 1.0
         weight = jnp.maximum(self.new_example_weight, 1.0 / count)
         updated = jnp.stack([state[0] * (1.0 - weight) + loss * weight, count, state[2]])
-        if ok is None:
-            return updated
-        return jnp.where(ok, updated, state.at[2].add(1.0))
+        if ok is not None:
+            return jnp.where(ok, updated, state.at[2].add(1.0))
+        if skipped is not None:
+            return updated.at[2].add(skipped.astype(jnp.float32))
+        return updated
 
     def compute(self, state):
         return state[0]
@@ -110,87 +121,121 @@ class Collectives:
         return jax.tree.map(lambda leaf: jax.lax.pmax(leaf, AXIS), result)
 
 
-class StepBuilder:
-    """Builds the per-device step bodies for one trainer's model, loss and metrics."""
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything the step bodies are compiled from, besides the model; frozen, so a change
+    (e.g. `Trainer.add_per_step_update`) makes a new config and new compiled steps.
 
-    def __init__(
-        self,
-        module: Any,  # a model adapter (see `_models`): init/apply like a Linen module
-        loss_fn: LossFn | None,
-        optimizer: optax.GradientTransformation,
-        train_metrics: Sequence[Any],
-        eval_metrics: Sequence[Any],
-        per_step_updates: list[Callable[[Any], Any]],
-        num_devices: int,
-        parallel: str,
-    ):
+    Attributes:
+      loss_fn: `loss_fn(labels, predictions)`, or None when the model adds its losses.
+      optimizer: the optax transformation.
+      train_metrics, eval_metrics: the user's metric objects.
+      strategy: the parallel strategy (how gradients become the mean over devices).
+      per_step_updates: `fn(params) -> params`, applied after each update.
+      skip_non_finite: a step whose loss or gradient is not finite changes nothing.
+      accumulate: the train step's inputs carry a leading axis of micro-batches.
+      compute_dtype: the dtype the model computes in (None: the parameters' float32).
+      loss_scale: None, a static scale, or `"dynamic"`.
+    """
+
+    loss_fn: LossFn | None
+    optimizer: optax.GradientTransformation
+    train_metrics: tuple
+    eval_metrics: tuple
+    strategy: Strategy
+    per_step_updates: tuple = ()
+    skip_non_finite: bool = False
+    accumulate: bool = False
+    compute_dtype: Any = None
+    loss_scale: float | str | None = None
+
+    @property
+    def dynamic_scale(self) -> bool:
+        return self.loss_scale == "dynamic"
+
+    @property
+    def reports_skips(self) -> bool:
+        """Whether the train step returns `skipped_steps`."""
+        return self.skip_non_finite or self.dynamic_scale
+
+
+class StepBuilder:
+    """Builds the per-device step bodies for one trainer's model and `StepConfig`."""
+
+    def __init__(self, module: Any, config: StepConfig):
+        # `module`: a model adapter (see `_models`): init/apply like a Linen module.
         self.module = module
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.train_metrics = tuple(train_metrics)
-        self.eval_metrics = tuple(eval_metrics)
-        self.per_step_updates = per_step_updates
-        self.num_devices = num_devices
-        self.collectives = Collectives(num_devices)
-        self.parallel = parallel
+        self.config = config
+        self.collectives = Collectives(config.strategy.num_devices)
         self.loss_average = LossMovingAverage()
-        # Set by `Trainer.skip_non_finite_steps`: a step whose loss or gradient is not
-        # finite leaves parameters, optimizer, model and metric states unchanged.
-        self.skip_non_finite = False
 
     def fresh_train_metrics(self) -> tuple:
         """The train metric states before any step: the loss average, then the user's."""
-        return (self.loss_average.init(), *(m.init() for m in self.train_metrics))
+        return (self.loss_average.init(), *(m.init() for m in self.config.train_metrics))
 
     def fresh_eval_metrics(self) -> tuple:
         """The eval metric states before any batch: the mean loss, then the user's."""
-        return (zero_mean_state(), *(m.init() for m in self.eval_metrics))
+        return (zero_mean_state(), *(m.init() for m in self.config.eval_metrics))
+
+    def fresh_loss_scale(self) -> jax.Array | None:
+        """The dynamic loss scale's state before any step, or None without one."""
+        return fresh_dynamic_scale() if self.config.dynamic_scale else None
 
     # -- pieces shared by train and eval ------------------------------------------------
 
-    def _rngs(self, base_rng: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
+    def _rngs(self, base_rng: jax.Array, step: jax.Array, micro: Any = None) -> dict:
         key = jax.random.fold_in(base_rng, step)
+        if micro is not None:  # each micro-batch of an accumulated step draws its own
+            key = jax.random.fold_in(key, micro)
         key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
         params_key, dropout_key = jax.random.split(key)
         return {"params": params_key, "dropout": dropout_key}
 
     def _loss(self, labels, predictions, added_loss) -> jax.Array:
-        if self.loss_fn is None and added_loss is None:
+        loss_fn = self.config.loss_fn
+        if loss_fn is None and added_loss is None:
             raise ValueError(
                 "no loss to minimize: pass a loss_fn to the Trainer, or call ctx.add_loss(...) "
                 "in the model function"
             )
         total = jnp.zeros((), jnp.float32)
-        if self.loss_fn is not None:
-            loss = self.loss_fn(labels, predictions)
+        if loss_fn is not None:
+            loss = loss_fn(labels, predictions)
             if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
-                name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+                name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
                 raise TypeError(
                     f"loss function {name!r} returned a {type(loss).__name__}; it must return one "
                     "array: the loss, or per-example losses (they are averaged). Report other "
                     "values with train_metrics, or add extra terms with ctx.add_loss"
                 )
-            total = total + jnp.mean(loss).astype(jnp.float32)
+            total = total + jnp.mean(loss.astype(jnp.float32))
         if added_loss is not None:
-            total = total + added_loss
+            total = total + added_loss.astype(jnp.float32)
         return total
 
-    def _apply(self, state: TrainState, params, spec, rng, inputs, training: bool):
-        variables = {"params": params, **state.model_state}
-        mutable = list(state.model_state.keys())
+    def _apply(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
+        """The model on one shard: `(predictions, added loss, new model state)`, the
+        predictions in float32 whatever the compute dtype.
+        """
+        dtype = self.config.compute_dtype
+        variables = {"params": cast_floating(params, dtype), **model_state}
         (predictions, added_loss), new_model_state = self.module.apply(
             variables,
             spec,
-            inputs,
+            cast_floating(list(inputs), dtype),
             training,
-            rngs=self._rngs(rng, state.step),
-            mutable=mutable,
+            rngs=self._rngs(rng, step, micro),
+            mutable=list(model_state.keys()),
+            global_step=step,
         )
-        return predictions, added_loss, new_model_state
+        new_model_state = jax.tree.map(
+            lambda new, old: new.astype(old.dtype), dict(new_model_state), dict(model_state)
+        )
+        return to_float32(predictions, dtype), added_loss, new_model_state
 
     def _update_metrics(self, metrics, states, labels, predictions):
         new_states = []
-        for metric, metric_state in zip(metrics, states):
+        for metric, metric_state in zip(metrics, states, strict=True):
             partial = metric.update(labels, predictions)
             partial = self.collectives.merge(metric.merge, partial)
             new_states.append(metric.accumulate(metric_state, partial))
@@ -207,69 +252,141 @@ class StepBuilder:
         )
         return dict(variables)
 
+    def _gradients(self, state, model_state, spec, rng, inputs, labels, scale, micro=None):
+        """One shard's `(grads, (local loss, predictions, new model state))`; the gradients
+        are the mean over devices, times `scale` when given.
+        """
+        strategy = self.config.strategy
+        pmean = self.collectives.pmean
+
+        def objective(params):
+            predictions, added_loss, new_model_state = self._apply(
+                state.step, model_state, params, spec, rng, inputs, True, micro
+            )
+            local_loss = self._loss(labels, predictions, added_loss)
+            value = strategy.gradient_objective(local_loss, pmean)
+            if scale is not None:
+                value = value * scale
+            return value, (local_loss, predictions, new_model_state)
+
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        return strategy.gradient_mean(grads, pmean), aux
+
+    def _accumulated(self, state, spec, rng, inputs, labels, scale):
+        """Gradients, loss, model state and user metric states over the micro-batches
+        (the leading axis of `inputs`/`labels`), one `lax.scan`: the activations of one
+        micro-batch live at a time. The gradient is the mean of the micro-batches'.
+        """
+        count = inputs[0].shape[0]
+        metrics = self.config.train_metrics
+
+        def micro_step(carry, batch):
+            grad_sum, loss_sum, model_state, user_states = carry
+            index, micro_inputs, micro_labels = batch
+            grads, (local_loss, predictions, new_model_state) = self._gradients(
+                state, model_state, spec, rng, micro_inputs, micro_labels, scale, index
+            )
+            user_states = self._update_metrics(metrics, user_states, micro_labels, predictions)
+            carry = (
+                jax.tree.map(jnp.add, grad_sum, grads),
+                loss_sum + self.collectives.pmean(local_loss),
+                self.collectives.reduce(new_model_state),
+                user_states,
+            )
+            return carry, None
+
+        start = (
+            jax.tree.map(jnp.zeros_like, state.params),
+            jnp.zeros((), jnp.float32),
+            state.model_state,
+            tuple(state.train_metrics[1:]),
+        )
+        indices = jnp.arange(count, dtype=jnp.int32)
+        (grad_sum, loss_sum, model_state, user_states), _ = jax.lax.scan(
+            micro_step, start, (indices, list(inputs), list(labels))
+        )
+        grads = jax.tree.map(lambda g: g / count, grad_sum)
+        return grads, loss_sum / count, model_state, user_states
+
     def train(self, spec, rng, state: TrainState, inputs, labels):
-        """Per-device: one optimizer step on this device's shard of the global batch.
+        """Per-device: one optimizer step on this device's shard of the global batch (of
+        each micro-batch, with accumulation).
 
         `rng` is the trainer's base key, compiled in as a constant; `state.rng` is None
         here (see `Trainer._state`).
         """
-
-        def loss_of(params):
-            predictions, added_loss, new_model_state = self._apply(
-                state, params, spec, rng, inputs, training=True
+        config = self.config
+        scale = None
+        if config.dynamic_scale:
+            scale = state.loss_scale[0]
+        elif config.loss_scale is not None:
+            scale = jnp.float32(config.loss_scale)
+        if config.accumulate:
+            grads, loss, new_model_state, user_states = self._accumulated(
+                state, spec, rng, inputs, labels, scale
             )
-            local_loss = self._loss(labels, predictions, added_loss)
-            if self.parallel == "shard_map":
-                # Under shard_map, the gradient of replicated params w.r.t. a per-device
-                # loss is summed over devices; averaging the loss first makes it the mean.
-                objective = self.collectives.pmean(local_loss)
-            else:
-                objective = local_loss
-            return objective, (local_loss, predictions, new_model_state)
-
-        (_, (local_loss, predictions, new_model_state)), grads = jax.value_and_grad(
-            loss_of, has_aux=True
-        )(state.params)
-        if self.parallel == "pmap":
-            grads = self.collectives.pmean(grads)
-        loss = self.collectives.pmean(local_loss)
-        new_model_state = self.collectives.reduce(new_model_state)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        else:
+            grads, (local_loss, predictions, new_model_state) = self._gradients(
+                state, state.model_state, spec, rng, inputs, labels, scale
+            )
+            loss = self.collectives.pmean(local_loss)
+            new_model_state = self.collectives.reduce(new_model_state)
+            user_states = self._update_metrics(
+                config.train_metrics, state.train_metrics[1:], labels, predictions
+            )
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        updates, opt_state = config.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        for update_fn in self.per_step_updates:
+        for update_fn in config.per_step_updates:
             params = update_fn(params)
-        user_states = self._update_metrics(
-            self.train_metrics, state.train_metrics[1:], labels, predictions
-        )
-        ok = None
-        if self.skip_non_finite:
+        ok = average_ok = None
+        loss_scale = state.loss_scale
+        if config.reports_skips:
             # Identical on every device: the loss and gradients are already averaged.
-            ok = jnp.isfinite(loss) & _all_finite(grads)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            grads_finite = _all_finite(grads)
+            ok = jnp.isfinite(loss) & grads_finite
+            # Without skip_non_finite, a non-finite loss still reaches the moving average,
+            # so the loop reports it; only an overflow of the scaled gradient is routine.
+            average_ok = ok if config.skip_non_finite else None
+
+            def keep(new, old):
+                return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
             params = keep(params, state.params)
             opt_state = keep(opt_state, state.opt_state)
             new_model_state = keep(new_model_state, state.model_state)
-            user_states = keep(user_states, tuple(state.train_metrics[1:]))
-        loss_average = self.loss_average.accumulate(state.train_metrics[0], loss, ok)
+            if config.skip_non_finite:
+                user_states = keep(user_states, tuple(state.train_metrics[1:]))
+            if config.dynamic_scale:
+                loss_scale = next_dynamic_scale(state.loss_scale, grads_finite)
+        loss_average = self.loss_average.accumulate(
+            state.train_metrics[0], loss, average_ok, None if ok is None else ~ok
+        )
         values = (
             loss,
             self.loss_average.compute(loss_average),
-            *(m.compute(s) for m, s in zip(self.train_metrics, user_states)),
+            *(m.compute(s) for m, s in zip(config.train_metrics, user_states, strict=True)),
         )
-        if self.skip_non_finite:
+        if config.reports_skips:
             values = (*values, self.loss_average.skipped(loss_average))
+        if config.loss_scale is not None:
+            values = (*values, scale)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
             model_state=new_model_state,
             train_metrics=(loss_average, *user_states),
+            loss_scale=loss_scale,
         )
         return new_state, values
 
     def predict(self, spec, rng, state: TrainState, inputs):
         """Per-device: the model's predictions (eval mode) for this device's shard."""
-        predictions, _, _ = self._apply(state, state.params, spec, rng, inputs, False)
+        predictions, _, _ = self._apply(
+            state.step, state.model_state, state.params, spec, rng, inputs, False
+        )
         return predictions
 
     def eval(self, spec, rng, state: TrainState, metric_states, inputs, labels):
@@ -302,15 +419,19 @@ class StepBuilder:
         partials = self._eval_partials(spec, rng, state, padded_inputs, padded_labels, valid[0][0])
         if inputs is not None:
             divisible = self._eval_partials(spec, rng, state, inputs, labels)
-            merges = (add_mean_states, *(m.merge for m in self.eval_metrics))
-            partials = tuple(merge(a, b) for merge, a, b in zip(merges, divisible, partials))
+            merges = (add_mean_states, *(m.merge for m in self.config.eval_metrics))
+            partials = tuple(
+                merge(a, b) for merge, a, b in zip(merges, divisible, partials, strict=True)
+            )
         return self._accumulate_eval(metric_states, partials)
 
     def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> tuple:
         """The merged partials of the mean loss and the eval metrics over all devices'
         shards (those whose `valid` is True, given `valid`).
         """
-        predictions, added_loss, _ = self._apply(state, state.params, spec, rng, inputs, False)
+        predictions, added_loss, _ = self._apply(
+            state.step, state.model_state, state.params, spec, rng, inputs, False
+        )
         local_loss = self._loss(labels, predictions, added_loss)
         # The example-weighted mean of the batch losses, as `metrics.Mean` keeps it.
         weight = jnp.asarray(batch_size_of(predictions), jnp.float32)
@@ -321,21 +442,22 @@ class StepBuilder:
             loss_partial,
             *(
                 self.collectives.merge(metric.merge, metric.update(labels, predictions), valid)
-                for metric in self.eval_metrics
+                for metric in self.config.eval_metrics
             ),
         )
 
     def _accumulate_eval(self, metric_states, partials):
+        metrics = self.config.eval_metrics
         loss_state = add_mean_states(metric_states[0], partials[0])
         user_states = tuple(
             metric.accumulate(metric_state, partial)
             for metric, metric_state, partial in zip(
-                self.eval_metrics, metric_states[1:], partials[1:]
+                metrics, metric_states[1:], partials[1:], strict=True
             )
         )
         values = (
             mean_of(loss_state),
-            *(m.compute(s) for m, s in zip(self.eval_metrics, user_states)),
+            *(m.compute(s) for m, s in zip(metrics, user_states, strict=True)),
         )
         return (loss_state, *user_states), values
 
@@ -347,70 +469,3 @@ def _all_finite(tree: Any) -> jax.Array:
         if leaves
         else jnp.bool_(True)
     )
-
-
-def make_parallel(
-    body: Callable[..., Any],
-    mesh: Mesh,
-    parallel: str,
-    num_replicated: int,
-    num_sharded: int,
-    donate: tuple[int, ...],
-    per_example_output: bool = False,
-):
-    """Wraps a per-device step body `(*state, *batch) -> (new_state, values)` as one
-    data-parallel, jit-compiled step.
-
-    The first `num_replicated` arguments are replicated (state); the next `num_sharded`
-    are split on axis 0 across devices (the batch). With `parallel="shard_map"` state is
-    a global replicated array; with `"pmap"` state carries a leading device axis, which
-    the new state keeps, while the replicated `values` come back without it. With
-    `per_example_output` the body returns per-example values instead (predictions), which
-    come back as one global batch in order.
-    """
-    if parallel == "pmap":
-        num_devices = device_count_of(mesh)
-        pmapped = jax.pmap(
-            body,
-            axis_name=AXIS,
-            devices=list(mesh.devices.flat),
-            out_axes=0 if per_example_output else (0, None),
-            donate_argnums=donate,
-        )
-
-        def split_batch_then_pmap(*args):
-            # The batch gets its leading device axis inside the compiled program: an
-            # eager reshape per step would cost more than a small step.
-            state, batch = args[:num_replicated], args[num_replicated:]
-            batch = jax.tree.map(
-                lambda a: a.reshape((num_devices, a.shape[0] // num_devices, *a.shape[1:])),
-                batch,
-            )
-            out = pmapped(*state, *batch)
-            if per_example_output:  # devices x per-device examples -> one batch
-                out = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), out)
-            return out
-
-        return jax.jit(split_batch_then_pmap, donate_argnums=donate)
-    in_specs = (P(),) * num_replicated + (P(AXIS),) * num_sharded
-    # One device skips the collectives that mark values replicated, so skips the check.
-    check_vma = device_count_of(mesh) > 1
-    out_specs = P(AXIS) if per_example_output else (P(), P())
-    stepped = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
-    )
-    shardings = tuple(NamedSharding(mesh, spec) for spec in in_specs)
-    return jax.jit(stepped, in_shardings=shardings, donate_argnums=donate)
-
-
-def make_initializer(body: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
-    # check_vma is off: variables come from the replicated key, but a data-dependent
-    # initializer would mark them per-device; device 0's copy is the one kept.
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False)
-    )
-
-
-def device_count_of(mesh: Mesh) -> int:
-    return int(mesh.devices.size)

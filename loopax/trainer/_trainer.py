@@ -2,52 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from . import _steps
-from ._batches import signature, spec_key, split_uneven_batch, validate_batch
+from ._batches import split_uneven_batch
 from ._context import ModelFn
 from ._datasets import as_list
 from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
-from ._models import NnxModel, adapt, no_parameters_message
+from ._models import adapt, no_parameters_message
+from ._parallel import AXIS, choose
+from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predict
 from ._state import TrainState, from_plain
+from ._steps import StepBuilder, StepConfig
+from ._trainer_args import (
+    LOSS_SCALE,
+    RESERVED_EVAL_NAMES,
+    RESERVED_TRAIN_NAMES,
+    SKIPPED_STEPS,
+    check_accumulate_steps,
+    check_callables,
+    check_metrics,
+)
 from ._trainer_state import StateAccess
-
-_METRIC_METHODS = ("init", "update", "merge", "compute")
-_RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
-SKIPPED_STEPS = "skipped_steps"  # a train metric while `skip_non_finite_steps` is on
-_RESERVED_EVAL_NAMES = ("mean_loss",)
-
-
-def _check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
-    metrics = tuple(metrics)
-    names = list(reserved)
-    for metric in metrics:
-        missing = [m for m in _METRIC_METHODS if not callable(getattr(metric, m, None))]
-        if missing or not isinstance(getattr(metric, "name", None), str):
-            raise TypeError(
-                f"{kind} metric {metric!r} does not follow the loopax.metrics.Metric protocol "
-                f"(missing {missing or ['name']}); subclass loopax.metrics.Metric"
-            )
-        if metric.name in names:
-            raise ValueError(
-                f"duplicate {kind} metric name {metric.name!r} (names in use: {names}); "
-                "give each metric a unique name"
-            )
-        names.append(metric.name)
-    return metrics
 
 
 class Trainer(StateAccess, EvalSteps, Predict):
@@ -81,11 +67,28 @@ class Trainer(StateAccess, EvalSteps, Predict):
         `"pmap"` (literal `jax.pmap` over local devices).
       max_executors: how many compiled steps to keep; the least recently used is evicted
         past it, with a warning.
+      accumulate_steps: micro-batches per optimizer step (gradient accumulation). With K >
+        1, `train_step` takes each input and label with a leading axis of k <= K
+        micro-batches, shape `(k, batch, ...)` (the Loop stacks K consecutive batches of
+        its dataset), and runs them in one compiled `lax.scan`: the activations of one
+        micro-batch at a time, the gradient the mean of the micro-batches' (as one batch
+        k times larger), one optimizer update, one global step. The returned loss is the
+        mean over the micro-batches; train metrics are updated with every micro-batch.
+      compute_dtype: `jnp.bfloat16` or `jnp.float16`: the model computes in it (floating
+        parameters and inputs are cast at each step) while parameters and optimizer state
+        stay float32; predictions are cast to float32 before the loss and metrics. None
+        (default) computes in the parameters' dtype.
+      loss_scale: with a reduced `compute_dtype`, `"dynamic"` scales the loss before
+        differentiation (starting at 2**15): a step whose gradients overflow is skipped
+        and the scale halved; it doubles after 2000 finite steps in a row. The scale is in
+        the train state (checkpointed) and the train metrics report `"loss_scale"` and
+        `"skipped_steps"`. A positive number is a static scale. None: no scaling.
 
     Raises:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
         optax transformation, or a metric not following the Metric protocol.
-      ValueError: duplicate metric names, unknown `parallel`, empty `devices`; at the first
+      ValueError: duplicate metric names, unknown `parallel`, empty `devices`, a bad
+        `accumulate_steps`, `compute_dtype` or `loss_scale`; at the first
         step, a model with no trainable parameters, or `init_params` not fitting the model
         (naming the first differing entry and both shapes).
 
@@ -115,62 +118,43 @@ class Trainer(StateAccess, EvalSteps, Predict):
         parallel: str = "shard_map",
         max_executors: int = 20,
         init_params: Any = None,
+        accumulate_steps: int = 1,
+        compute_dtype: Any = None,
+        loss_scale: float | str | None = None,
     ):
-        adapted = adapt(model, _steps.AXIS)
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(
-                f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
-                "loopax.losses.from_name('mse') builds one from a name"
-            )
-        if not (
-            callable(getattr(optimizer, "init", None))
-            and callable(getattr(optimizer, "update", None))
-        ):
-            raise TypeError(
-                f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
-                "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
-            )
-        if parallel not in ("shard_map", "pmap"):
-            raise ValueError(f"parallel must be 'shard_map' or 'pmap', got {parallel!r}")
-        devices = list(jax.devices() if devices is None else devices)
-        if not devices:
-            raise ValueError("devices is empty; pass None for all devices or a non-empty list")
-        if parallel == "pmap" and any(d.process_index != jax.process_index() for d in devices):
-            raise ValueError("parallel='pmap' runs on this process's devices only; use 'shard_map'")
+        adapted = adapt(model, AXIS)
+        check_callables(loss_fn, optimizer)
+        self.accumulate_steps = check_accumulate_steps(accumulate_steps)
+        dtype = check_compute_dtype(compute_dtype)
+        self.compute_dtype = dtype_name(dtype)
+        self.loss_scale = check_loss_scale(loss_scale, dtype)
+        self._strategy = choose(parallel, devices)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.train_metrics = _check_metrics(
-            train_metrics, "train", (*_RESERVED_TRAIN_NAMES, SKIPPED_STEPS)
-        )
-        self.eval_metrics = _check_metrics(eval_metrics, "eval", _RESERVED_EVAL_NAMES)
+        reserved = (*RESERVED_TRAIN_NAMES, SKIPPED_STEPS, LOSS_SCALE)
+        self.train_metrics = check_metrics(train_metrics, "train", reserved)
+        self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
-        self.parallel = parallel
-        self.devices = devices
-        self.mesh = Mesh(np.array(devices), (_steps.AXIS,))
-        self.num_devices = len(devices)
-        self._local_devices = sum(1 for d in devices if d.process_index == jax.process_index())
-        self._multi_process = jax.process_count() > 1
-        self._replicated = NamedSharding(self.mesh, P())
-        self._batch_sharding = NamedSharding(self.mesh, P(_steps.AXIS))
         self._model = adapted
         self._init_params = None if init_params is None else jax.tree.map(np.asarray, init_params)
-        self._per_step_updates: list[Callable[[Any], Any]] = []
-        self._steps = _steps.StepBuilder(
-            adapted,
-            loss_fn,
-            optimizer,
-            self.train_metrics,
-            self.eval_metrics,
-            self._per_step_updates,
-            self.num_devices,
-            parallel,
+        config = StepConfig(
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train_metrics=self.train_metrics,
+            eval_metrics=self.eval_metrics,
+            strategy=self._strategy,
+            accumulate=self.accumulate_steps > 1,
+            compute_dtype=dtype,
+            loss_scale=self.loss_scale,
         )
-        self._train_metric_names = (*_RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
-        self._step_metric_names = self._train_metric_names  # what train_step returns now
-        self.eval_metric_names = (*_RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
-        self._cache = ExecutorCache(max_executors)
-        self._input_counts: dict[Hashable, tuple[int, int]] = {}
+        self._steps = StepBuilder(adapted, config)
+        self._train_metric_names = (*RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
+        self._step_metric_names = self._metric_names_of(config)
+        self.eval_metric_names = (*RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
+        self._cache = ExecutorCache(
+            max_executors, self._strategy.local_devices, micro_batches=config.accumulate
+        )
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         self._state_initializers: list[Callable[[TrainState], TrainState]] = []
         # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).
@@ -202,6 +186,46 @@ class Trainer(StateAccess, EvalSteps, Predict):
         """The keys of `train_step`'s metrics, in order."""
         return self._step_metric_names
 
+    @property
+    def parallel(self) -> str:
+        """The parallel strategy's name: `"shard_map"` or `"pmap"`."""
+        return self._strategy.name
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The devices each batch is split over."""
+        return self._strategy.devices
+
+    @property
+    def num_devices(self) -> int:
+        """How many devices each batch is split over (all processes')."""
+        return self._strategy.num_devices
+
+    @property
+    def mesh(self) -> Any:
+        """The 1-D `jax.sharding.Mesh` over `devices` (axis `"devices"`)."""
+        return self._strategy.mesh
+
+    @property
+    def skipping_non_finite_steps(self) -> bool:
+        """Whether `skip_non_finite_steps` is on."""
+        return self._steps.config.skip_non_finite
+
+    def _metric_names_of(self, config: StepConfig) -> tuple[str, ...]:
+        names = self._train_metric_names
+        if config.reports_skips:
+            names = (*names, SKIPPED_STEPS)
+        if config.loss_scale is not None:
+            names = (*names, LOSS_SCALE)
+        return names
+
+    def _configure(self, **changes: Any) -> None:
+        """Rebuilds the step bodies with `changes` to their config; drops compiled steps."""
+        config = dataclasses.replace(self._steps.config, **changes)
+        self._steps = StepBuilder(self._model, config)
+        self._step_metric_names = self._metric_names_of(config)
+        self._cache.clear()
+
     def skip_non_finite_steps(self, enabled: bool = True) -> None:
         """Compiles train steps that skip an update whose loss or gradient is not finite.
 
@@ -210,13 +234,8 @@ class Trainer(StateAccess, EvalSteps, Predict):
         also returns `"skipped_steps"`: the steps skipped since the train metrics were last
         reset. `hooks.nan_guard` turns this on. Compiled steps are dropped.
         """
-        enabled = bool(enabled)
-        if enabled != self._steps.skip_non_finite:
-            self._steps.skip_non_finite = enabled
-            self._step_metric_names = (
-                (*self._train_metric_names, SKIPPED_STEPS) if enabled else self._train_metric_names
-            )
-            self._cache.clear()
+        if bool(enabled) != self._steps.config.skip_non_finite:
+            self._configure(skip_non_finite=bool(enabled))
 
     # -- configuration --------------------------------------------------------------------
 
@@ -231,8 +250,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
         """
         if not callable(fn):
             raise TypeError(f"add_per_step_update needs a callable, got {type(fn).__name__}")
-        self._per_step_updates.append(fn)
-        self._cache.clear()
+        self._configure(per_step_updates=(*self._steps.config.per_step_updates, fn))
 
     def on_exec_creation(self, handler: Callable[[ExecInfo], None]) -> None:
         """Calls `handler(info)` with an `ExecInfo` whenever a step is compiled."""
@@ -256,32 +274,20 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     # -- state management -----------------------------------------------------------------
 
-    def _place_state(self, state: Any) -> Any:
-        if self.parallel == "pmap":
-            # pmap takes host arrays with a leading device axis and keeps its outputs there.
-            n = self.num_devices
-            return jax.tree.map(
-                lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state
-            )
-        return jax.device_put(state, self._replicated)
-
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
         if self._state is None:
             return
-        fresh = self._steps.fresh_train_metrics()
-        placed = self._place_state(fresh)
+        placed = self._strategy.place_state(self._steps.fresh_train_metrics())
         self._state = self._state.replace(train_metrics=placed)
 
     def _make_initializer(self, spec: Any) -> Callable[..., Any]:
         per_device = self._steps.init_variables
-        return _steps.make_initializer(lambda key, xs: per_device(spec, key, xs), self.mesh)
+        return self._strategy.initializer(lambda key, xs: per_device(spec, key, xs))
 
     def _initialize(self, spec: Any, inputs: list[Any]) -> None:
         rng = jax.random.PRNGKey(self.seed)
-        if self._multi_process:
-            inputs = self._to_global(inputs)
-        variables = self._make_initializer(spec)(rng, inputs)
+        variables = self._make_initializer(spec)(rng, self._strategy.global_batch(inputs))
         params = variables.pop("params", {})
         if self._init_params is not None:
             params = from_plain(
@@ -300,6 +306,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
             model_state=variables,
             rng=rng,
             train_metrics=self._steps.fresh_train_metrics(),
+            loss_scale=self._steps.fresh_loss_scale(),
         )
         for initializer_fn in self._state_initializers:
             state = initializer_fn(state)
@@ -307,56 +314,39 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     # -- compilation ----------------------------------------------------------------------
 
-    def _to_global(self, arrays: list[Any]) -> list[Any]:
-        """Multi-process: global arrays assembled from each process's local share."""
-        return [
-            jax.make_array_from_process_local_data(self._batch_sharding, np.asarray(a))
-            for a in arrays
-        ]
-
-    def _compile(self, graph: str, key: Hashable, spec: Any, inputs, labels) -> Executor:
-        batch = validate_batch(
-            graph, spec, key[1], inputs, labels, self._input_counts, self._local_devices
-        )
+    def _compile(self, graph: str, spec: Any, inputs: list, labels: list, batch: int) -> Executor:
+        """Compiles the `graph` step for this (validated) batch of `batch` examples; creates
+        the state first if there is none.
+        """
+        strategy, steps = self._strategy, self._steps
+        local = strategy.local_devices
         # Only an eval batch gets here undivided; its step takes it in pieces that divide.
-        pieces = (
-            split_uneven_batch(inputs, labels, self._local_devices)
-            if batch % self._local_devices
-            else None
-        )
-        model_inputs = inputs if pieces is None else pieces[0]
+        pieces = split_uneven_batch(inputs, labels, local) if batch % local else None
+        micro = graph == "train" and steps.config.accumulate
+        model_inputs = [a[0] for a in inputs] if micro else inputs if pieces is None else pieces[0]
         if self._state is None:
             self._initialize(spec, model_inputs)
         elif self._unverified_source is not None:
-            self._verify_loaded_state(
-                spec, self._to_global(model_inputs) if self._multi_process else model_inputs
-            )
+            self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
         started = time.perf_counter()
-        global_inputs, global_labels = inputs, labels
-        if self._multi_process and pieces is None:
-            global_inputs, global_labels = self._to_global(inputs), self._to_global(labels)
         if graph == "train":
-            body = functools.partial(self._steps.train, spec, self._rng)
-            step = _steps.make_parallel(body, self.mesh, self.parallel, 1, 2, donate=(0,))
-            compiled = step.lower(self._state, global_inputs, global_labels).compile()
+            body = functools.partial(steps.train, spec, self._rng)
+            run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=1 if micro else 0)
+            args = (self._state, *(strategy.global_batch(b, micro) for b in (inputs, labels)))
         elif graph == "predict":
-            body = functools.partial(self._steps.predict, spec, self._rng)
-            step = _steps.make_parallel(
-                body, self.mesh, self.parallel, 1, 1, donate=(), per_example_output=True
-            )
-            compiled = step.lower(self._state, global_inputs).compile()
+            body = functools.partial(steps.predict, spec, self._rng)
+            run = strategy.wrap(body, 1, 1, donate=(), per_example_output=True)
+            args = (self._state, strategy.global_batch(inputs))
         elif pieces is None:
-            body = functools.partial(self._steps.eval, spec, self._rng)
-            step = _steps.make_parallel(body, self.mesh, self.parallel, 2, 2, donate=(1,))
-            compiled = step.lower(
-                self._state, self._fresh_eval_states(), global_inputs, global_labels
-            ).compile()
+            body = functools.partial(steps.eval, spec, self._rng)
+            run = strategy.wrap(body, 2, 2, donate=(1,))
+            batch_arrays = (strategy.global_batch(inputs), strategy.global_batch(labels))
+            args = (self._state, self._fresh_eval_states(), *batch_arrays)
         else:
-            body = functools.partial(self._steps.eval_uneven, spec, self._rng)
-            step = _steps.make_parallel(body, self.mesh, self.parallel, 2, len(pieces), donate=(1,))
-            compiled = step.lower(
-                self._state, self._fresh_eval_states(), *self._globalize(pieces)
-            ).compile()
+            body = functools.partial(steps.eval_uneven, spec, self._rng)
+            run = strategy.wrap(body, 2, len(pieces), donate=(1,))
+            args = (self._state, self._fresh_eval_states(), *self._globalize(pieces))
+        compiled = run.lower(*args).compile()
         info = ExecInfo(
             graph_type=graph,
             spec=spec,
@@ -366,85 +356,42 @@ class Trainer(StateAccess, EvalSteps, Predict):
             label_dtypes=tuple(str(a.dtype) for a in labels),
             compile_seconds=time.perf_counter() - started,
         )
-        executor = Executor(info=info, run=compiled)
-        self._cache.put(key, executor)
         for handler in self._exec_handlers:
             handler(info)
-        return executor
+        return Executor(info=info, run=compiled)
 
     def _executor(self, graph: str, spec: Any, inputs: list, labels: list) -> Executor:
-        # The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
-        # sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a
-        # step, 2-3% of a small model's step.
-        try:
-            fast_key = (
-                graph,
-                spec,
-                len(inputs),
-                *[a.aval for a in inputs],
-                *[a.aval for a in labels],
-            )
-            executor = self._cache.get_fast(fast_key)
-        except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
-            fast_key = executor = None
-        if executor is not None:
-            return executor
-        key_spec = spec_key(spec)
-        key = (
-            graph,
-            key_spec,
-            signature(inputs, "inputs", spec),
-            signature(labels, "labels", spec),
-        )
-        executor = self._cache.get(key)
-        if executor is None:
-            executor = self._compile(graph, key, spec, inputs, labels)
-        if fast_key is not None:
-            self._cache.remember(fast_key, executor)
-        return executor
+        return self._cache.executor(graph, spec, inputs, labels, self._compile)
 
     # -- steps ----------------------------------------------------------------------------
 
     def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch; returns the train metrics.
 
-        The values stay on the device: reading one (e.g. `float(m["loss"])`) waits for
-        the step.
+        With `accumulate_steps` > 1, each input and label has a leading axis of
+        micro-batches (see the class). The values stay on the device: reading one (e.g.
+        `float(m["loss"])`) waits for the step.
 
         Returns:
-          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`.
+          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then
+          `"skipped_steps"` and `"loss_scale"` when on.
 
         Raises:
           TypeError: an input or label is not an array.
           ValueError: no inputs, mismatched batch sizes, a batch not divisible by the
-            device count, or the spec used before with another number of inputs/labels.
+            device count, the spec used before with another number of inputs/labels, or
+            (accumulating) arrays without a common leading axis of micro-batches.
         """
         inputs = as_list(inputs)
         labels = as_list(labels)
-        executor = self._executor("train", spec, inputs, labels)
-        if self._multi_process:
-            inputs, labels = self._to_global(inputs), self._to_global(labels)
+        executor = self._cache.executor("train", spec, inputs, labels, self._compile)
+        strategy = self._strategy
+        if strategy.multi_process:
+            micro = self._steps.config.accumulate
+            inputs, labels = strategy.global_batch(inputs, micro), strategy.global_batch(labels, micro)
         self._state, values = executor.run(self._state, inputs, labels)
         self._global_step += 1
-        return dict(zip(self._step_metric_names, values))
-
-    def nnx_module(self) -> Any:
-        """The `flax.nnx.Module` this trainer trains, updated in place with the current
-        parameters and model state, ready to call (`module.eval()` for inference).
-
-        Raises:
-          TypeError: the trainer's model is not an NNX module.
-        """
-        if not isinstance(self._model, NnxModel):
-            raise TypeError(
-                f"nnx_module() is for a Trainer of a flax.nnx.Module; this one trains a "
-                f"{type(self.model).__name__} (its parameters are trainer.params)"
-            )
-        state = self.state
-        if state is None:
-            return self._model.module
-        params, model_state = jax.device_get((state.params, state.model_state))
-        return self._model.update_module(params, model_state)
+        return dict(zip(self._step_metric_names, values, strict=True))
 
     def __repr__(self) -> str:
         return (

@@ -16,12 +16,14 @@ from ..optimizers._learning_rate import (
     get_learning_rate,
     set_learning_rate,
 )
+from ._models import NnxModel
 from ._state import TrainState, from_plain, state_from_tree, to_plain
 
 if TYPE_CHECKING:
     import optax
 
     from ._executors import ExecutorCache
+    from ._parallel import Strategy
     from ._steps import StepBuilder
 
 # A compiled copy: eager jnp.copy dispatches in ~20 µs, this in ~4 µs.
@@ -33,8 +35,8 @@ class StateAccess:
 
     # Provided by `Trainer`.
     optimizer: optax.GradientTransformation
-    parallel: str
     seed: int
+    _strategy: Strategy
     _steps: StepBuilder
     _cache: ExecutorCache
     _state: TrainState | None
@@ -43,7 +45,8 @@ class StateAccess:
     _unverified_source: str | None
     _learning_rate_leaf: int | None
     _constant_learning_rate: float | None
-    _place_state: Callable[[Any], Any]
+    model: Any
+    _model: Any
     _make_initializer: Callable[[Any], Callable[..., Any]]
 
     @property
@@ -51,10 +54,7 @@ class StateAccess:
         """The whole train state without a device axis, or None before the first step."""
         if self._state is None:
             return None
-        state = self._state
-        if self.parallel == "pmap":
-            state = jax.tree.map(lambda leaf: leaf[0], state)
-        return state.replace(rng=self._rng)
+        return self._strategy.unplace(self._state).replace(rng=self._rng)
 
     @state.setter
     def state(self, state: TrainState) -> None:
@@ -83,7 +83,7 @@ class StateAccess:
         # The key never changes during training, so the compiled steps hold it as a
         # constant instead of passing it in and out: each state leaf costs the runtime a
         # few microseconds per step.
-        self._state = self._place_state(host)
+        self._state = self._strategy.place_state(host)
         self._global_step = int(np.asarray(jax.device_get(state.step)))
 
     def state_dict(self) -> dict | None:
@@ -120,7 +120,12 @@ class StateAccess:
         if self._state is not None:
             self.state = from_plain(self.state, tree, where)
             return
-        self._adopt(state_from_tree(tree, self.optimizer, self._steps.fresh_train_metrics(), where))
+        fresh_scale = self._steps.fresh_loss_scale()
+        self._adopt(
+            state_from_tree(
+                tree, self.optimizer, self._steps.fresh_train_metrics(), where, fresh_scale
+            )
+        )
         self._unverified_source = where
 
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
@@ -163,7 +168,7 @@ class StateAccess:
             # TensorBoard log reads it every 100 steps.
             self._learning_rate_leaf = next(i for i, leaf in enumerate(leaves) if leaf is rate)
         rate = leaves[self._learning_rate_leaf]
-        return _copy_scalar(rate[0] if self.parallel == "pmap" else rate)
+        return _copy_scalar(self._strategy.unplace(rate))
 
     def set_learning_rate(self, value: float) -> None:
         """Sets the optimizer's learning rate for the next steps, without recompiling.
@@ -180,3 +185,21 @@ class StateAccess:
                 "trainer's first step"
             )
         self.state = state.replace(opt_state=set_learning_rate(state.opt_state, value))
+
+    def nnx_module(self) -> Any:
+        """The `flax.nnx.Module` this trainer trains, updated in place with the current
+        parameters and model state, ready to call (`module.eval()` for inference).
+
+        Raises:
+          TypeError: the trainer's model is not an NNX module.
+        """
+        if not isinstance(self._model, NnxModel):
+            raise TypeError(
+                f"nnx_module() is for a Trainer of a flax.nnx.Module; this one trains a "
+                f"{type(self.model).__name__} (its parameters are trainer.params)"
+            )
+        state = self.state
+        if state is None:
+            return self._model.module
+        params, model_state = jax.device_get((state.params, state.model_state))
+        return self._model.update_module(params, model_state)

@@ -461,6 +461,7 @@ def test_jit_matches_eager_and_compiles_once(case):
 def test_public_api():
     assert losses.__all__ == sorted(losses.__all__)
     assert set(losses.__all__) == {
+        "adaptive_power_loss",
         "binary_crossentropy",
         "binary_crossentropy_logits",
         "categorical_crossentropy",
@@ -470,6 +471,7 @@ def test_public_api():
         "mean_absolute_error",
         "mean_squared_error",
         "sparse_categorical_crossentropy_logits",
+        "triplet",
     }
     for name in losses.__all__:
         doc = getattr(losses, name).__doc__

@@ -1,0 +1,220 @@
+"""How a per-device step body becomes one data-parallel program: one object per strategy.
+
+A `Strategy` is chosen once, when the Trainer is built, from `parallel=` and the process
+count. Everything that differs between strategies lives here: how state is placed (pmap
+keeps a leading device axis), how a host batch becomes the program's input (multi-process
+assembles global arrays from each process's share), how the gradient of the loss is made
+the mean over devices, and how a body is wrapped and compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "devices"
+STRATEGIES = ("shard_map", "pmap")
+
+
+class Strategy:
+    """`jax.jit` of `jax.shard_map` over a 1-D mesh of `devices` (one process).
+
+    Attributes:
+      name: the `parallel=` value that chose it.
+      devices: the devices a batch is split over.
+      mesh: the 1-D mesh over `devices`, axis `AXIS`.
+      num_devices: how many devices in all; `local_devices`: how many of this process's.
+    """
+
+    name = "shard_map"
+    multi_process = False
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self.devices = list(devices)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.num_devices = len(self.devices)
+        self.local_devices = sum(1 for d in self.devices if d.process_index == jax.process_index())
+        self._replicated = NamedSharding(self.mesh, P())
+
+    # -- state and batches --------------------------------------------------------------
+
+    def place_state(self, state: Any) -> Any:
+        """Puts a host state on the devices, replicated."""
+        return jax.device_put(state, self._replicated)
+
+    def unplace(self, state: Any) -> Any:
+        """The state as one copy (no device axis)."""
+        return state
+
+    def global_batch(self, arrays: list[Any], micro_batches: bool = False) -> list[Any]:
+        """The program's input for this process's batch `arrays` (unchanged here)."""
+        return arrays
+
+    # -- the step body ------------------------------------------------------------------
+
+    def gradient_objective(self, local_loss: jax.Array, pmean: Callable[[Any], Any]) -> Any:
+        """What to differentiate so that gradients are the mean over devices.
+
+        Under shard_map the gradient of replicated params w.r.t. a per-device value is
+        summed over devices; averaging the loss first makes it the mean.
+        """
+        return pmean(local_loss)
+
+    def gradient_mean(self, grads: Any, pmean: Callable[[Any], Any]) -> Any:
+        """Gradients of `gradient_objective` made the mean over devices (already are)."""
+        return grads
+
+    # -- compiling ----------------------------------------------------------------------
+
+    def wrap(
+        self,
+        body: Callable[..., Any],
+        num_replicated: int,
+        num_sharded: int,
+        donate: tuple[int, ...],
+        per_example_output: bool = False,
+        batch_axis: int = 0,
+    ) -> Callable[..., Any]:
+        """`body(*state, *batch) -> (new_state, values)` as one jit-compiled program.
+
+        The first `num_replicated` arguments are replicated (state); the next
+        `num_sharded` are split on `batch_axis` across devices (the batch). The replicated
+        `values` come back as one copy. With `per_example_output` the body returns
+        per-example values (predictions), which come back as one global batch in order.
+        """
+        batch_spec = P(*([None] * batch_axis), AXIS)
+        in_specs = (P(),) * num_replicated + (batch_spec,) * num_sharded
+        # One device skips the collectives that mark values replicated, so skips the check.
+        out_specs = P(AXIS) if per_example_output else (P(), P())
+        stepped = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=self.num_devices > 1,
+        )
+        shardings = tuple(NamedSharding(self.mesh, spec) for spec in in_specs)
+        return jax.jit(stepped, in_shardings=shardings, donate_argnums=donate)
+
+    def initializer(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
+        # check_vma is off: variables come from the replicated key, but a data-dependent
+        # initializer would mark them per-device; device 0's copy is the one kept.
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False
+            )
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={self.num_devices})"
+
+
+class MultiProcess(Strategy):
+    """shard_map over devices of several processes: each process passes its share of the
+    batch, assembled into global arrays before every call.
+    """
+
+    multi_process = True
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        super().__init__(devices)
+        self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
+        self._micro_batch_sharding = NamedSharding(self.mesh, P(None, AXIS))
+
+    def global_batch(self, arrays: list[Any], micro_batches: bool = False) -> list[Any]:
+        """Global arrays assembled from each process's local share (of each micro-batch)."""
+        sharding = self._micro_batch_sharding if micro_batches else self._batch_sharding
+        return [jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in arrays]
+
+
+class Pmap(Strategy):
+    """Literal `jax.pmap` over this process's devices: state keeps a leading device axis."""
+
+    name = "pmap"
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        if any(d.process_index != jax.process_index() for d in devices):
+            raise ValueError("parallel='pmap' runs on this process's devices only; use 'shard_map'")
+        super().__init__(devices)
+
+    def place_state(self, state: Any) -> Any:
+        """Host arrays with a leading device axis: pmap takes them so and keeps them so."""
+        n = self.num_devices
+        return jax.tree.map(lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state)
+
+    def unplace(self, state: Any) -> Any:
+        """Device 0's copy."""
+        return jax.tree.map(lambda leaf: leaf[0], state)
+
+    def gradient_objective(self, local_loss: jax.Array, pmean: Callable[[Any], Any]) -> Any:
+        """The local loss: pmap's gradients are per device, averaged by `gradient_mean`."""
+        return local_loss
+
+    def gradient_mean(self, grads: Any, pmean: Callable[[Any], Any]) -> Any:
+        """The per-device gradients averaged over devices."""
+        return pmean(grads)
+
+    def wrap(
+        self,
+        body: Callable[..., Any],
+        num_replicated: int,
+        num_sharded: int,
+        donate: tuple[int, ...],
+        per_example_output: bool = False,
+        batch_axis: int = 0,
+    ) -> Callable[..., Any]:
+        """As `Strategy.wrap`; the state arguments and new state carry the device axis."""
+        num_devices = self.num_devices
+        pmapped = jax.pmap(
+            body,
+            axis_name=AXIS,
+            devices=self.devices,
+            out_axes=0 if per_example_output else (0, None),
+            donate_argnums=donate,
+        )
+
+        def to_devices(a: jax.Array) -> jax.Array:
+            # The batch axis split into (devices, per device), the device axis moved first;
+            # inside the compiled program: an eager reshape per step would cost more than a
+            # small step.
+            shape = a.shape
+            split = a.reshape(
+                (*shape[:batch_axis], num_devices, shape[batch_axis] // num_devices)
+                + shape[batch_axis + 1 :]
+            )
+            return jnp.moveaxis(split, batch_axis, 0)
+
+        def split_batch_then_pmap(*args):
+            state, batch = args[:num_replicated], args[num_replicated:]
+            out = pmapped(*state, *jax.tree.map(to_devices, batch))
+            if per_example_output:  # devices x per-device examples -> one batch
+                out = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), out)
+            return out
+
+        return jax.jit(split_batch_then_pmap, donate_argnums=donate)
+
+
+def choose(parallel: str, devices: Sequence[jax.Device] | None) -> Strategy:
+    """The strategy for `parallel=` over `devices` (default: all of `jax.devices()`).
+
+    Raises:
+      ValueError: unknown `parallel`, empty `devices`, or pmap over another process's
+        devices.
+    """
+    if parallel not in STRATEGIES:
+        raise ValueError(f"parallel must be 'shard_map' or 'pmap', got {parallel!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices is empty; pass None for all devices or a non-empty list")
+    if parallel == "pmap":
+        return Pmap(devices)
+    if jax.process_count() > 1:
+        return MultiProcess(devices)
+    return Strategy(devices)

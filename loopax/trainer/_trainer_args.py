@@ -1,0 +1,53 @@
+"""The Trainer's argument checks, and the metric names it reserves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_METRIC_METHODS = ("init", "update", "merge", "compute")
+RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
+SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
+LOSS_SCALE = "loss_scale"  # with `loss_scale`
+RESERVED_EVAL_NAMES = ("mean_loss",)
+
+
+def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
+    metrics = tuple(metrics)
+    names = list(reserved)
+    for metric in metrics:
+        missing = [m for m in _METRIC_METHODS if not callable(getattr(metric, m, None))]
+        if missing or not isinstance(getattr(metric, "name", None), str):
+            raise TypeError(
+                f"{kind} metric {metric!r} does not follow the loopax.metrics.Metric protocol "
+                f"(missing {missing or ['name']}); subclass loopax.metrics.Metric"
+            )
+        if metric.name in names:
+            raise ValueError(
+                f"duplicate {kind} metric name {metric.name!r} (names in use: {names}); "
+                "give each metric a unique name"
+            )
+        names.append(metric.name)
+    return metrics
+
+
+def check_callables(loss_fn: Any, optimizer: Any) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable or None, got {type(loss_fn).__name__}; "
+            "loopax.losses.from_name('mse') builds one from a name"
+        )
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
+            "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
+        )
+
+
+def check_accumulate_steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"accumulate_steps must be a positive int (micro-batches per optimizer step), "
+            f"got {value!r}"
+        )
+    return value
