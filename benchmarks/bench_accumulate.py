@@ -6,7 +6,8 @@ hand-written `jax.jit` step that `jax.lax.scan`s over 8 micro-batches of 32, sum
 gradients, divides by 8 and makes one adam update (donated state, the 8 micro-batches
 pre-stacked on the device). Both see the same micro-batches in the same order; neither
 waits for a step before the end of a round. Target: loopax >= 0.95x the hand-written
-step's examples/s.
+step's examples/s. A diagnostic row steps the same Trainer by hand on the pre-stacked
+groups (no Loop, no stacking): the difference to the Loop row is what the Loop adds.
 
 Precision: loopax's bare Loop on the medium workload (batch 128) with
 `compute_dtype=jnp.bfloat16` against the same Loop in float32, side by side (no target:
@@ -55,6 +56,9 @@ ACCUMULATE_TARGET = 0.95
 
 HAND_WRITTEN = f"hand-written jit step, scan over {ACCUMULATE_STEPS} micro-batches"
 LOOPAX_ACCUMULATE = f"loopax Loop, accumulate_steps={ACCUMULATE_STEPS}"
+# Diagnostic: the same Trainer stepped by hand on the pre-stacked groups (no Loop, no
+# stacking of the micro-batches), to tell the compiled step's cost from the Loop's.
+PRE_STACKED = "  same Trainer, train_step on pre-stacked groups"
 FLOAT32 = "loopax Loop, float32"
 BFLOAT16 = "loopax Loop, compute_dtype=bfloat16"
 
@@ -143,6 +147,26 @@ def loopax_run(workload: Workload, batches: Sequence[Batch], steps: int, **optio
     return run, ""
 
 
+def loopax_pre_stacked(workload: Workload, groups: Sequence[Batch], steps: int) -> Run:
+    """`Trainer.train_step` called in a plain loop on the pre-stacked groups."""
+    trainer = loopax.Trainer(
+        workload.model_fn,
+        loss_fn,
+        workload.optimizer(),
+        devices=jax.devices()[:1],
+        accumulate_steps=ACCUMULATE_STEPS,
+    )
+    trainer.train_step(*groups[0])["loss"].block_until_ready()  # compile
+
+    def run() -> None:
+        metrics = None
+        for index in range(steps):
+            metrics = trainer.train_step(*groups[index % len(groups)])
+        metrics["loss"].block_until_ready()
+
+    return run
+
+
 def _rows(timings: Any, reference: str, names: Sequence[str], scale: float) -> list[tuple]:
     """Table rows `(label, examples/s, ratio, ±)`; the reference's ratio is 1."""
     rows = [(reference, timings.rate(reference) * scale, 1.0, 0.0)]
@@ -164,14 +188,12 @@ def accumulate_comparison(quick: int, rounds: int, on_round=None) -> dict:
     workload = micro_workload()
     steps = STEPS_PER_ROUND[quick]
     micro_batches = make_batches(workload, count=4 * ACCUMULATE_STEPS)
-    candidates: dict[str, Run] = {
-        HAND_WRITTEN: hand_written_accumulate(
-            workload, stacked(micro_batches, ACCUMULATE_STEPS), steps
-        )
-    }
+    groups = stacked(micro_batches, ACCUMULATE_STEPS)
+    candidates: dict[str, Run] = {HAND_WRITTEN: hand_written_accumulate(workload, groups, steps)}
     run, why = loopax_run(workload, micro_batches, steps, accumulate_steps=ACCUMULATE_STEPS)
     if run is not None:
         candidates[LOOPAX_ACCUMULATE] = run
+        candidates[PRE_STACKED] = loopax_pre_stacked(workload, groups, steps)
     timings = interleave(candidates, steps, rounds, WARMUP_ROUNDS[quick], on_round=on_round)
     examples = ACCUMULATE_STEPS * MICRO_BATCH
     rows = _rows(timings, HAND_WRITTEN, list(candidates), examples)
