@@ -13,6 +13,10 @@ as Flax's docs write it and by loopax's bare Loop (`loopax.Trainer(module, ...)`
 the same batches as device arrays). On 4 simulated CPU devices (a
 subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax
 `parallel="shard_map"` and `"pmap"` against a hand-written `jax.jit(jax.shard_map(step))`.
+The accumulate section (issue 14, `bench_accumulate.py`), on the medium network: loopax's
+Loop with `accumulate_steps=8` over micro-batches of 32 against a hand-written `jax.jit`
+step that `lax.scan`s over the 8 pre-stacked micro-batches (examples/s), and loopax with
+`compute_dtype=bfloat16` beside loopax in float32 (batch 128).
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -31,13 +35,16 @@ Details that matter for reading the figures:
   loss's moving average too). Issue 6: README hooks >= 0.95x hand-written and >= 2.5x Keras
   fit (steps_per_execution=1) on tiny, >= 0.99x on medium; loopax shard_map >= the
   hand-written shard_map within noise (max(± , 0.02)) on 4 devices. Issue 12, tiny and
-  medium: the NNX module through loopax >= 0.97x its hand-written `nnx.jit` step.
+  medium: the NNX module through loopax >= 0.97x its hand-written `nnx.jit` step. Issue 14:
+  accumulate_steps=8 through loopax >= 0.95x the hand-written scan step; bfloat16 vs
+  float32 is reported without a target.
 
 Every candidate of a comparison runs once per round, in an order that rotates from round
 to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
-Run: python benchmarks/run_all.py [--quick] [--only tiny,medium,devices,keras] [--rounds N]
+Run: python benchmarks/run_all.py [--quick]
+       [--only tiny,medium,devices,keras,accumulate,fused] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -60,7 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "fused")
+SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -539,6 +546,22 @@ def fused_section(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return sections
 
 
+def accumulate_sections(args: argparse.Namespace) -> list[dict]:
+    """Issue 14: gradient accumulation vs a hand-written scan step, bfloat16 vs float32."""
+    import bench_accumulate  # noqa: PLC0415
+
+    sections = []
+    for name, compare in (
+        ("accumulate", bench_accumulate.accumulate_comparison),
+        ("precision", bench_accumulate.precision_comparison),
+    ):
+        progress(f"{name}: starting")
+        section = compare(args.quick, args.rounds, on_round=round_progress(name))
+        section["reference"] = section["rows"][0][0] if section["rows"] else None
+        sections.append(section)
+    return sections
+
+
 # -- report -------------------------------------------------------------------------------
 
 
@@ -571,8 +594,10 @@ def mark(passed: bool) -> str:
     return "PASS" if passed else "FAIL"
 
 
-def target_of(section: str, label: str, ratio: float, spread: float) -> str:
+def target_of(section: str, label: str, ratio: float, spread: float, targets: dict) -> str:
     """The issue's target for this row, with the measured figure's pass/fail mark."""
+    if label in targets:
+        return f">= {targets[label]}  {mark(ratio >= targets[label])}"
     if label == README and section == "tiny":
         return f">= 0.95  {mark(ratio >= 0.95)}"
     if label == README and section == "medium":
@@ -608,8 +633,10 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
     for key, section in sections:
         print()
         print(section["title"])
+        unit = section.get("unit", "steps/s")
+        reference = section.get("reference")
         if section.get("header", True):
-            print(f"  {'':{width}} {'steps/s':>9}  {'ratio':>13}  target")
+            print(f"  {'':{width}} {unit:>9}  {'ratio':>13}  target")
         for row in section["rows"]:
             if len(row) == 2:
                 print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
@@ -617,12 +644,12 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
             label, rate, ratio, spread = row
             ratio_text = (
                 f"{ratio:.3f} ± {spread:.3f}"
-                if label not in (REFERENCE, DEVICE_REFERENCE)
+                if label not in (REFERENCE, DEVICE_REFERENCE, reference)
                 else "1 (reference)"
             )
             print(
                 f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
-                f"{target_of(key, label, ratio, spread)}"
+                f"{target_of(key, label, ratio, spread, section.get('targets', {}))}"
             )
         for label, ratio, spread, target in section.get("pairs", ()):
             text = f"{ratio:.3f} ± {spread:.3f}"
@@ -648,7 +675,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras, fused "
+        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused "
         "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
@@ -682,6 +709,8 @@ def main() -> None:
         sections.append((name, workload_section(name, args, loopax_rows, keras_rows)))
     if "devices" in only:
         sections += [("devices", section) for section in devices_section(args)]
+    if "accumulate" in only:
+        sections += [("accumulate", section) for section in accumulate_sections(args)]
     if "fused" in only:
         sections += fused_section(args)
     print_table(sections, started, load_before)

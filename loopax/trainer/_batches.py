@@ -67,6 +67,7 @@ def validate_batch(
     input_counts: dict,
     local_devices: int,
     leading_axes: tuple[str, ...] = (),
+    axis_limits: dict[str, int] | None = None,
 ) -> int:
     """Checks a batch's arrays; returns its (local) batch size.
 
@@ -74,7 +75,8 @@ def validate_batch(
     (`eval_step` splits off and pads its remainder). With `leading_axes` (e.g.
     `("micro-batches",)` under gradient accumulation, `("steps",)` for fused steps) every
     array has those axes in front of its batch axis, the same for all, and the batch
-    size is that of one step's (micro-)batch.
+    size is that of one step's (micro-)batch; `axis_limits` caps a leading axis's size
+    (e.g. micro-batches at `accumulate_steps`).
     """
     if not inputs:
         raise ValueError(
@@ -93,7 +95,7 @@ def validate_batch(
             f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
         )
     if leading_axes:
-        check_leading_axes(spec, inputs, labels, leading_axes)
+        check_leading_axes(spec, inputs, labels, leading_axes, axis_limits or {})
     axis = len(leading_axes)
     if any(a.ndim == 0 for a in [*inputs, *labels]):
         raise ValueError(
@@ -120,14 +122,17 @@ def validate_batch(
     return batch
 
 
-def check_leading_axes(spec: Any, inputs: list, labels: list, names: tuple[str, ...]) -> None:
+def check_leading_axes(
+    spec: Any, inputs: list, labels: list, names: tuple[str, ...], limits: dict[str, int]
+) -> None:
     """Checks that a train batch's arrays share the leading axes `names`.
 
     Under gradient accumulation a micro-batch axis comes in front of the batch axis, and
     with fused steps a steps axis in front of that.
 
     Raises:
-      ValueError: an array without those axes and a batch axis, or leading axes that differ.
+      ValueError: an array without those axes and a batch axis, leading axes that differ,
+        or one longer than its limit.
     """
     arrays = [*inputs, *labels]
     layout = f"({', '.join(names)}, batch, ...)"
@@ -138,6 +143,16 @@ def check_leading_axes(spec: Any, inputs: list, labels: list, names: tuple[str, 
             f"{[a.shape for a in inputs]} and label shapes {[a.shape for a in labels]}. The "
             "Loop stacks the batches itself; by hand, use np.stack([batch_1, ..., batch_k])"
         )
+    for position, name in enumerate(names):
+        limit = limits.get(name)
+        longest = max(int(a.shape[position]) for a in arrays)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"the train batch for spec {spec!r} has {longest} {name} (input shapes "
+                f"{[a.shape for a in inputs]}, label shapes {[a.shape for a in labels]}), more "
+                f"than {_WHY[name]}={limit}; each input and label needs the shape {layout}: "
+                "is the leading axis of the micro-batches missing?"
+            )
     counts = sorted({tuple(a.shape[: len(names)]) for a in arrays})
     if len(counts) != 1:
         raise ValueError(

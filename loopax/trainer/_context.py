@@ -13,6 +13,29 @@ VARIABLES = "variables"  # the model-state collection of non-trainable `ctx.vari
 ModelFn = Callable[["Context", Any, list[jax.Array]], Any]
 
 
+class VariableHandle:
+    """A non-trainable `ctx.variable`: `.value` reads it, `.value = x` writes it.
+
+    Writes while the variables are being created (the model's first run, before the first
+    step) are dropped, as Flax's BatchNorm skips its update then: the first step reads the
+    initial value.
+    """
+
+    def __init__(self, variable: Any, initializing: bool):
+        self._variable = variable
+        self._initializing = initializing
+
+    @property
+    def value(self) -> Any:
+        """The variable's current value."""
+        return self._variable.value
+
+    @value.setter
+    def value(self, new_value: Any) -> None:
+        if not self._initializing:
+            self._variable.value = new_value
+
+
 class Context:
     """What a model function can ask of the step that runs it.
 
@@ -89,9 +112,10 @@ class Context:
 
         if trainable:
             return self._module.param(name, initial)
-        return self._module.variable(
+        variable = self._module.variable(
             VARIABLES, name, lambda: initial(self._module.make_rng("params"))
         )
+        return VariableHandle(variable, self._module.is_initializing())
 
     def make_rng(self, name: str = "dropout") -> jax.Array:
         """Returns a fresh PRNG key of stream `name`: different per step and per device.

@@ -61,6 +61,7 @@ class ExecutorCache:
         max_size: int,
         local_devices: int = 1,
         leading_axes: dict[str, tuple[str, ...]] | None = None,
+        axis_limits: dict[str, int] | None = None,
     ):
         if not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
@@ -68,6 +69,7 @@ class ExecutorCache:
         self.local_devices = local_devices
         # Per graph, the axes its batches carry in front of the batch axis.
         self.leading_axes = leading_axes or {}
+        self.axis_limits = axis_limits or {}  # the most a leading axis may hold
         # Inputs and labels per spec, as first used: a spec keeps its arrangement.
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
         self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
@@ -119,6 +121,7 @@ class ExecutorCache:
                 self._input_counts,
                 self.local_devices,
                 self.leading_axes.get(graph, ()),
+                self.axis_limits,
             )
             executor = build(graph, spec, inputs, labels, batch)
             self.put(key, executor)

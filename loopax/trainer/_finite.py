@@ -35,6 +35,45 @@ def _as_float(value: Any) -> float:
     return float(np.asarray(value))
 
 
+class GroupMetrics(dict):
+    """The metrics of the last step of a group of fused steps (`steps_per_execution`).
+
+    A dict like any step's metrics, which also carries every step's: `chunks` lists
+    `(first loop step, step count, stacked metrics or None, last metrics)` per compiled
+    call of the group (a call of one step has no stacked metrics: its last are its own).
+    """
+
+    def __init__(self, last: dict[str, Any], chunks: list[tuple[int, int, Any, Any]]):
+        super().__init__(last)
+        self.chunks = chunks
+
+    def stacked(self, key: str) -> list[tuple[int, Any]]:
+        """`(first step, values with a leading steps axis)` of `key`, per chunk, on device."""
+        return [
+            (first, last[key][None] if stacked is None else stacked[key])
+            for first, _, stacked, last in self.chunks
+        ]
+
+
+def per_step(window: Window, key: str) -> list[tuple[int, float]]:
+    """`(loop step, value of key)` for every step of `window`, groups expanded; one read."""
+    parts = []
+    for step, metrics in window:
+        if isinstance(metrics, GroupMetrics):
+            parts.extend(metrics.stacked(key))
+        else:
+            parts.append((step, metrics[key]))
+    values = jax.device_get([value for _, value in parts])
+    result = []
+    for (first, _), value in zip(parts, values, strict=True):
+        array = np.asarray(value)
+        if array.ndim == 0:
+            result.append((first, float(array)))
+        else:
+            result.extend((first + i, float(v)) for i, v in enumerate(array))
+    return result
+
+
 class FiniteChecker:
     """Reads one value per in-flight window, when the loop already waits for it.
 
@@ -92,9 +131,8 @@ class FiniteChecker:
             if not math.isfinite(value):
                 self._raise_first(window, value)
         elif value != self._skipped_seen:
-            counts = [_as_float(c) for c in jax.device_get([m[SKIPPED_STEPS] for _, m in window])]
             previous, skipped = self._skipped_seen, []
-            for (step, _), count in zip(window, counts, strict=True):
+            for step, count in per_step(window, SKIPPED_STEPS):
                 if count > previous:
                     skipped.append(step)
                 previous = count
@@ -105,9 +143,7 @@ class FiniteChecker:
         self.checked_through = newest_step
 
     def _raise_first(self, window: Window, average: float) -> None:
-        losses = jax.device_get([metrics["loss"] for _, metrics in window])
-        for (step, _), loss in zip(window, losses, strict=True):
-            loss = _as_float(loss)
+        for step, loss in per_step(window, "loss"):
             if not math.isfinite(loss):
                 self.failure = NonFiniteLossError(
                     f"the loss is {loss} at step {step} (global step {step + 1}), the first "

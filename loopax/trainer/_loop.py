@@ -11,10 +11,12 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from ._datasets import Dataset, bad_batch_error, micro_batch_reader
-from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
+from ._finite import FiniteChecker, GroupMetrics, NonFiniteHandler, NonFiniteLossError
+from ._groups import group_reader, power_of_two_at_most
 from ._history import History
 from ._hook_registry import PHASES
 from ._hooks import NEVER
@@ -56,8 +58,21 @@ class Loop(MetricsAccess):
     step. SIGINT and SIGTERM during a run finish the current step, run the OnEnd hooks
     (so a checkpoint hook saves) and exit with one line; a second signal exits at once.
 
+    Fused execution (`steps_per_execution=K > 1`): the loop reads up to K steps' batches,
+    stacks them and runs them in one compiled program (`Trainer.train_steps`), with the
+    same results as K single steps. Step-based schedules keep their steps exactly: a group
+    ends early at the next step a scheduled hook (`every_n_steps`, `n_times_during_loop`,
+    `exponential_callback`, checkpoint and evaluation schedules, ...) fires at, and group
+    lengths are powers of two, so a spec and shape compile at most log2(K) + 1 programs.
+    Hooks asked every step (a plain `on_step`, a progress bar) and time-based schedules run
+    once per group, at its last step, with its metrics; `group_metrics` holds every step's.
+    `request_stop` ends the run at the end of the group. The first non-finite loss inside a
+    group is still named. Checkpoints fall on group ends, and a run resumed with another K
+    continues identically.
+
     Args:
       trainer: the `Trainer` to run.
+      steps_per_execution: K, the most steps per compiled call (1: one step per call).
 
     Attributes:
       trainer: the trainer.
@@ -68,6 +83,7 @@ class Loop(MetricsAccess):
       epoch: the current epoch of `run_epochs` (0-based).
       run_index: incremented at the start of every run (hooks use it to spot a new run).
       metrics: the latest step's metrics, on the device.
+      steps_per_execution: the most steps per compiled call.
       history: the `History` of every logged metric (`"train/<m>"`, `"eval/<ds>/<m>"`).
       shared_data: a dict where hooks leave results for each other.
       train_step_durations: seconds per step, hooks included (the last 1024 steps).
@@ -88,17 +104,28 @@ class Loop(MetricsAccess):
       ([0, 1, 2], 3, 3)
     """
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, steps_per_execution: int = 1):
         if not isinstance(trainer, Trainer):
             raise TypeError(f"Loop needs a loopax.Trainer, got {type(trainer).__name__}")
+        if (
+            isinstance(steps_per_execution, bool)
+            or not isinstance(steps_per_execution, int)
+            or steps_per_execution < 1
+        ):
+            raise ValueError(
+                "steps_per_execution must be a positive int (the most steps per compiled "
+                f"call), got {steps_per_execution!r}"
+            )
         super().__init__()
         self.trainer = trainer
+        self.steps_per_execution = steps_per_execution
         self.loop_step = trainer.global_step
         self.start_step = trainer.global_step
         self.end_step = -1
         self.epoch = 0
         self.run_index = 0
         self.metrics: Metrics = {}
+        self._group: GroupMetrics | None = None
         self.history = History()
         self.shared_data: dict[str, Any] = {}
         self.train_step_durations: collections.deque[float] = collections.deque(
@@ -119,6 +146,28 @@ class Loop(MetricsAccess):
         self._iterable = RunIterable()
 
     # -- what hooks ask of the loop -------------------------------------------------------
+
+    @property
+    def group_metrics(self) -> dict[str, Any]:
+        """Every step's metrics of the latest group of fused steps.
+
+        `{name: values with a leading axis of the group's steps}` on the device, the last
+        step's values last (with `steps_per_execution=1`: the latest step's, axis of 1).
+        A host metric's entry is its value after the group. The group's first loop step is
+        `loop_step - len(values) + 1` while OnStep hooks run.
+        """
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        if self._group is None:
+            return {key: jnp.asarray(value)[None] for key, value in self.metrics.items()}
+        result = {}
+        for key, value in self._group.items():
+            if isinstance(value, jax.Array):
+                parts = [values for _, values in self._group.stacked(key)]
+                result[key] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            else:
+                result[key] = value
+        return result
 
     @property
     def running(self) -> bool:
@@ -298,6 +347,66 @@ class Loop(MetricsAccess):
             f"{self.loop_step}: {type(err).__name__}: {err}"
         )
 
+    def _train_groups_until(self, dataset: Dataset, stop_step: int) -> bool:
+        """`_train_until` with fused execution: groups of up to `steps_per_execution` steps.
+
+        A group ends at the next step a scheduled OnStep hook fires at (`_wake_step`), at
+        `stop_step`, or where the dataset ends; OnStep hooks run once, at its last step.
+        """
+        trainer = self.trainer
+        read = group_reader(dataset, trainer.accumulate_steps)
+        push = self._in_flight.push
+        clock = time.perf_counter
+        most = self.steps_per_execution
+        while True:
+            indicator = self._finite.indicator
+            while self.loop_step < stop_step and not self._stop_requested:
+                started = clock()
+                first = self.loop_step
+                wanted = min(most, stop_step - first, self._wake_step - first + 1)
+                try:
+                    chunks, ended = read(power_of_two_at_most(max(wanted, 1)))
+                except StopIteration:
+                    return True
+                except Exception as err:
+                    raise self._dataset_error(dataset, err) from err
+                parts = []
+                step = first
+                for count, spec, inputs, labels in chunks:
+                    if count == 1:
+                        metrics = trainer.train_step(spec, inputs, labels)
+                        parts.append((step, 1, None, metrics))
+                    else:
+                        stacked, metrics = trainer.train_steps(spec, inputs, labels)
+                        parts.append((step, count, stacked, metrics))
+                    step += count
+                last = step - 1
+                group = GroupMetrics(parts[-1][3], parts)
+                self.metrics = self._group = group
+                self._metrics_step = last
+                self._epoch_batches += step - first
+                window = push(group[indicator], (last, group))
+                if window is not None:
+                    self._finite.verify(self, window)
+                    if self._pending_logs:
+                        self._resolve_logs(window[-1][0])
+                if not self._rewound:
+                    self.loop_step = last
+                    self._step_hooks(group, last)
+                    if self._after_hooks:
+                        self._run_after_hooks()
+                self.train_step_durations.append((clock() - started) / (step - first))
+                if self._rewound:
+                    self._rewound = False
+                    continue
+                self.loop_step = last + 1
+                if ended:
+                    return True
+            self._settle()
+            if not self._rewound:
+                return False
+            self._rewound = False
+
     def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
         """Runs steps and their OnStep hooks; returns True if the dataset ended.
 
@@ -308,6 +417,8 @@ class Loop(MetricsAccess):
         on if that rolled the run back. The per-step path of every run, kept tight: on a
         small model the loop's own Python shows in the step rate.
         """
+        if self.steps_per_execution > 1:
+            return self._train_groups_until(dataset, stop_step)
         train_step = self.trainer.train_step
         micro_batches = self.trainer.accumulate_steps
         yield_batch = (
@@ -465,4 +576,7 @@ class Loop(MetricsAccess):
             return self._end_run()
 
     def __repr__(self) -> str:
-        return f"Loop(loop_step={self.loop_step}, end_step={self.end_step}, epoch={self.epoch})"
+        return (
+            f"Loop(loop_step={self.loop_step}, end_step={self.end_step}, epoch={self.epoch}, "
+            f"steps_per_execution={self.steps_per_execution})"
+        )

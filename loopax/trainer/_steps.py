@@ -390,8 +390,8 @@ class StepBuilder:
         )
         if config.reports_skips:
             values = (*values, self.loss_average.skipped(loss_average))
-        if config.loss_scale is not None:
-            values = (*values, scale)
+        if config.loss_scale is not None:  # the scale the next step uses
+            values = (*values, loss_scale[0] if config.dynamic_scale else scale)
         # Host metrics' step values, returned unread (a skipped step's are left out).
         if config.host_train:
             if host_values is None:

@@ -163,7 +163,12 @@ class Trainer(StateAccess, EvalSteps, Predict):
         self.eval_metric_names = (*RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
         micro: tuple[str, ...] = ("micro-batches",) if config.accumulate else ()
         self._leading_axes = {"train": micro, "train_steps": ("steps", *micro)}
-        self._cache = ExecutorCache(max_executors, self._strategy.local_devices, self._leading_axes)
+        self._cache = ExecutorCache(
+            max_executors,
+            self._strategy.local_devices,
+            self._leading_axes,
+            {"micro-batches": self.accumulate_steps},
+        )
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         self._state_initializers: list[Callable[[TrainState], TrainState]] = []
         # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).

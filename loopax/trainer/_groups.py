@@ -1,0 +1,137 @@
+"""Fused execution: groups of steps read from a dataset and run as compiled calls.
+
+With `Loop(trainer, steps_per_execution=K)` the loop runs up to K steps per dispatch. A
+group's length is set by the loop (it ends at the next step a scheduled hook fires); the
+group is read here, split where the batches change spec or shape (they cannot be stacked),
+and each run of equal batches into power-of-two chunks: each chunk is one compiled call
+(`Trainer.train_steps`, or `train_step` for a chunk of one), so a spec and shape compile at
+most log2(K) + 1 programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._datasets import Batch, as_list, bad_batch_error, micro_batch_reader
+
+# (step count, spec, inputs, labels): one compiled call's batches; stacked on a leading
+# steps axis when the count is above one.
+Chunk = tuple[int, Any, list[Any], list[Any]]
+
+
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def _stack(arrays: list[Any]) -> Any:
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.stack(arrays)
+    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
+
+    return jnp.stack(arrays)
+
+
+def _kind(batch: Batch) -> tuple:
+    spec, inputs, labels = batch
+    return (
+        repr(spec),
+        tuple((np.shape(a), str(getattr(a, "dtype", ""))) for a in inputs),
+        tuple((np.shape(a), str(getattr(a, "dtype", ""))) for a in labels),
+    )
+
+
+def _chunks_of_run(run: list[Batch]) -> list[Chunk]:
+    """A run of batches of one kind as power-of-two chunks, largest first."""
+    chunks: list[Chunk] = []
+    start = 0
+    while start < len(run):
+        count = power_of_two_at_most(len(run) - start)
+        part = run[start : start + count]
+        spec = part[0][0]
+        if count == 1:
+            chunks.append((1, spec, part[0][1], part[0][2]))
+        else:
+            inputs = [_stack([b[1][i] for b in part]) for i in range(len(part[0][1]))]
+            labels = [_stack([b[2][i] for b in part]) for i in range(len(part[0][2]))]
+            chunks.append((count, spec, inputs, labels))
+        start += count
+    return chunks
+
+
+def _chunks_of_stacked(spec: Any, inputs: list[Any], labels: list[Any]) -> list[Chunk]:
+    """Batches stacked on a leading steps axis as power-of-two chunks, largest first."""
+    total = int(np.shape(inputs[0])[0])
+    chunks: list[Chunk] = []
+    start = 0
+    while start < total:
+        count = power_of_two_at_most(total - start)
+        if count == total:
+            chunks.append(
+                (count, spec, inputs, labels)
+                if count > 1
+                else (1, spec, [a[0] for a in inputs], [a[0] for a in labels])
+            )
+        elif count == 1:
+            chunks.append((1, spec, [a[start] for a in inputs], [a[start] for a in labels]))
+        else:
+            part = slice(start, start + count)
+            chunks.append((count, spec, [a[part] for a in inputs], [a[part] for a in labels]))
+        start += count
+    return chunks
+
+
+def group_reader(dataset: Any, accumulate_steps: int) -> Callable[[int], tuple[list[Chunk], bool]]:
+    """`read(n) -> (chunks, ended)`: up to n steps' batches of `dataset`, as chunks.
+
+    A step's batch is one `yield_batch()`, or `accumulate_steps` of them stacked. `ended`
+    says the dataset ended before n steps were read (the chunks hold what was read).
+
+    Raises:
+      StopIteration: the dataset has no batch left.
+      ValueError: a batch is not `(spec, inputs, labels)`.
+    """
+    read_step = (
+        dataset.yield_batch
+        if accumulate_steps == 1
+        else micro_batch_reader(dataset, accumulate_steps)
+    )
+
+    yield_batches = getattr(dataset, "yield_batches", None) if accumulate_steps == 1 else None
+
+    def read(n: int) -> tuple[list[Chunk], bool]:
+        if yield_batches is not None:
+            # Already stacked (e.g. gathered on the device): split into chunks only. The
+            # dataset says it ended by raising StopIteration at the next read.
+            batch = yield_batches(n)
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            return _chunks_of_stacked(batch[0], as_list(batch[1]), as_list(batch[2])), False
+        batches: list[Batch] = []
+        ended = False
+        while len(batches) < n:
+            try:
+                batch = read_step()
+            except StopIteration:
+                if not batches:
+                    raise
+                ended = True
+                break
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            batches.append((batch[0], as_list(batch[1]), as_list(batch[2])))
+        chunks: list[Chunk] = []
+        run = [batches[0]]
+        for batch in batches[1:]:
+            if _kind(batch) == _kind(run[0]):
+                run.append(batch)
+            else:
+                chunks.extend(_chunks_of_run(run))
+                run = [batch]
+        chunks.extend(_chunks_of_run(run))
+        return chunks, ended
+
+    return read
