@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from _common import (
     Batch,
+    CyclingDataset,
     Run,
     Workload,
     _hand_written_step,
@@ -46,9 +47,6 @@ import loopax
 K = 32  # steps per execution, on every fused candidate
 
 SCAN = f"hand-written lax.scan, {K} steps a dispatch"
-FUSED = f"loopax Loop, K={K}, README hooks, on-device data"
-FUSED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
-FUSED_BARE = f"loopax Loop, K={K}, bare, on-device data"
 TRAIN_STEPS = f"loopax trainer.train_steps, K={K}, no Loop"
 
 
@@ -63,6 +61,26 @@ def _features() -> dict[str, bool]:
 
 
 FEATURES = _features()
+# Without `on_device=`, the fused Loop reads the device-resident batches one by one and
+# stacks each group's on the device (`_common.CyclingDataset`); the rows say which.
+DATA = "on-device data" if FEATURES["on_device"] else "device batches"
+FUSED = f"loopax Loop, K={K}, README hooks, {DATA}"
+FUSED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
+FUSED_BARE = f"loopax Loop, K={K}, bare, {DATA}"
+
+
+def fused_dataset(workload: Workload, batches: Sequence[Batch], k: int) -> Any:
+    """The fused Loop's data: an on-device `ArrayDataset` of 2k cycled batches.
+
+    It loops over them in order, so executions also cross its epoch boundary. Without
+    `on_device=`: the device-resident batches themselves, cycled.
+    """
+    if not FEATURES["on_device"]:
+        return CyclingDataset(batches)
+    x, y = host_arrays(batches, 2 * k)
+    return loopax.ArrayDataset(
+        x, y, workload.batch_size, shuffle=False, loop_forever=True, on_device=True
+    )
 
 
 def stacked_chunks(
@@ -165,26 +183,20 @@ def fused_loop(
     k: int = K,
     devices: Sequence[Any] | None = None,
 ) -> tuple[Run | None, str]:
-    """The fused Loop, `k` steps a dispatch, on an on-device `ArrayDataset` of the batches.
+    """The fused Loop, `k` steps a dispatch, on `fused_dataset`.
 
-    The dataset holds 2k of the cycled batches (numpy, placed on the devices by the
-    dataset) and loops over them in order, so executions also cross its epoch boundary.
     With `attach` (the README's hooks), a round is timed up to the first OnEnd hook and
     whole, as the README-hooks rows of `run_all.py` are. Returns the run, or None and why
     it cannot run.
     """
-    missing = [name for name, present in FEATURES.items() if not present]
-    if missing:
-        return None, f"n/a (not on this loopax yet: {', '.join(missing)})"
+    if not FEATURES["steps_per_execution"]:
+        return None, "n/a (not on this loopax yet: Loop(steps_per_execution=))"
     if steps % k:
         raise ValueError(f"{steps} steps is not a whole number of {k}-step executions")
     loop = loopax.Loop(_trainer(workload, devices), steps_per_execution=k)
     if attach is not None:
         attach(loop)
-    x, y = host_arrays(batches, 2 * k)
-    dataset = loopax.ArrayDataset(
-        x, y, workload.batch_size, shuffle=False, loop_forever=True, on_device=True
-    )
+    dataset = fused_dataset(workload, batches, k)
     loop.run_steps(dataset, k)  # compiles the k-step execution
 
     def run() -> None:
@@ -203,22 +215,19 @@ def compile_seconds(
 
     Read from `trainer.on_exec_creation` (`ExecInfo.compile_seconds`: tracing, lowering and
     compiling; the state's initialization is not in it). Through the fused Loop when it
-    exists (its first `run_steps` of k steps, on the timed rows' on-device dataset), else
+    exists (its first `run_steps` of k steps, on the timed rows' `fused_dataset`), else
     `train_step` (k=1) / `train_steps`. The ks alternate within a repeat, after one untimed
     repeat (the process's first compilation pays for warming JAX up). Returns
     `{k: seconds}` and how they were taken.
     """
-    fused = all(FEATURES.values())
-    x, y = host_arrays(batches, 2 * max(ks))
+    fused = FEATURES["steps_per_execution"]
 
     def seconds(k: int) -> float:
         trainer = _trainer(workload, None)
         infos: list = []
         trainer.on_exec_creation(infos.append)
-        if fused:  # the dataset's on-device gather is part of the program
-            dataset = loopax.ArrayDataset(
-                x, y, workload.batch_size, shuffle=False, loop_forever=True, on_device=True
-            )
+        if fused:  # the timed rows' data: an on-device gather is part of the program
+            dataset = fused_dataset(workload, batches, k)
             loopax.Loop(trainer, steps_per_execution=k).run_steps(dataset, k)
         elif k == 1:
             _, inputs, labels = batches[0]
