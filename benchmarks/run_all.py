@@ -16,7 +16,13 @@ subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=4`): loopax
 The accumulate section (issue 14, `bench_accumulate.py`), on the medium network: loopax's
 Loop with `accumulate_steps=8` over micro-batches of 32 against a hand-written `jax.jit`
 step that `lax.scan`s over the 8 pre-stacked micro-batches (examples/s), and loopax with
-`compute_dtype=bfloat16` beside loopax in float32 (batch 128).
+`compute_dtype=bfloat16` beside loopax in float32 (batch 128). The fused section (issue 15,
+`bench_fused.py`): loopax's Loop with `steps_per_execution=32` and the README's hooks, reading
+an `ArrayDataset(..., on_device=True)` (device-resident batches where that option is missing),
+against the hand-written per-step `jax.jit` loop, a hand-written `jax.jit(lax.scan)` of 32
+steps a dispatch over pre-stacked device data, Keras `fit` with `steps_per_execution=32`
+(tiny), and on 4 simulated devices the hand-written `jit(shard_map)` step; plus the seconds
+compiling the 32-step program against the one-step program.
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -37,7 +43,12 @@ Details that matter for reading the figures:
   hand-written shard_map within noise (max(± , 0.02)) on 4 devices. Issue 12, tiny and
   medium: the NNX module through loopax >= 0.97x its hand-written `nnx.jit` step. Issue 14:
   accumulate_steps=8 through loopax >= 0.95x the hand-written scan step; bfloat16 vs
-  float32 is reported without a target.
+  float32 is reported without a target. Issue 15, the fused Loop (K=32, README hooks): >= 1.3x
+  the per-step loop on tiny, >= 1.0x on medium, >= 1.3x the jit(shard_map) step on 4
+  devices; >= 0.95x the hand-written scan and >= 1.5x Keras fit(steps_per_execution=32), tiny.
+- The README's TensorBoard hook writes every 100 steps, and a fused group ends at the next
+  step a scheduled hook fires at: with K=32 the groups run 32, 32, 32, 4 steps (the bare
+  fused row has no such cuts). Every-step and time-based hooks run once per group.
 
 Every candidate of a comparison runs once per round, in an order that rotates from round
 to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
