@@ -190,9 +190,13 @@ def regression_dataset(on_device, devices):
     )
 
 
-def train(on_device, devices, steps=15):
+def train(on_device, devices, steps=15, accumulate_steps=1):
     trainer = loopax.Trainer(
-        model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05), devices=devices
+        model_fn,
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.05),
+        devices=devices,
+        accumulate_steps=accumulate_steps,
     )
     loop = loopax.Loop(trainer)
     dataset = regression_dataset(on_device, devices)
@@ -200,11 +204,11 @@ def train(on_device, devices, steps=15):
     return jax.device_get(trainer.params), float(metrics["loss"]), dataset.get_state()
 
 
-@pytest.mark.parametrize("num_devices", [1, 4])
-def test_training_matches_host_dataset(num_devices):
+@pytest.mark.parametrize(("num_devices", "accumulate_steps"), [(1, 1), (4, 1), (4, 2)])
+def test_training_matches_host_dataset(num_devices, accumulate_steps):
     devices = jax.devices()[:num_devices]
-    host_params, host_loss, host_state = train(False, devices)
-    params, loss, state = train(True, devices)
+    host_params, host_loss, host_state = train(False, devices, accumulate_steps=accumulate_steps)
+    params, loss, state = train(True, devices, accumulate_steps=accumulate_steps)
     assert state == host_state
     assert loss == host_loss
     jax.tree.map(np.testing.assert_array_equal, params, host_params)
@@ -224,6 +228,33 @@ def test_fused_steps_match_host_dataset(num_devices):
             trainer.train_steps(*dataset.yield_batches(4))
         results.append(jax.device_get(trainer.params))
     jax.tree.map(np.testing.assert_array_equal, *results)
+
+
+@pytest.mark.parametrize(("num_devices", "batch_size"), [(1, 5), (4, 8)])
+def test_evaluation_matches_host_dataset(num_devices, batch_size):
+    devices = jax.devices()[:num_devices]
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05), devices=devices
+    )
+    loop = loopax.Loop(trainer)
+    loop.run_steps(regression_dataset(True, devices), 3)
+    source = regression_dataset(False, devices)
+    results = [
+        loop.evaluate(
+            loopax.ArrayDataset(
+                source.inputs,
+                source.labels,
+                batch_size,
+                name="test",
+                shuffle=False,
+                drop_remainder=False,
+                on_device=on_device,
+                devices=devices if on_device else None,
+            )
+        ).values
+        for on_device in (False, True)
+    ]
+    assert results[0] == results[1]
 
 
 def test_bad_arguments():
