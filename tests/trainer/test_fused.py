@@ -496,8 +496,8 @@ class Crash(Exception):
 
 def interrupted_then_resumed(tmp_path, first_k, second_k, crash_at=50):
     """Runs to STEPS with K = `first_k` until a hook crashes at the first group end past
-    `crash_at` (None: no first run), then resumes from the newest checkpoint with K = `second_k`, as a new
-    process would (a new trainer, loop and dataset)."""
+    `crash_at` (None: no first run), then resumes from the newest checkpoint with
+    K = `second_k`, as a new process would (a new trainer, loop and dataset)."""
     directory = tmp_path / f"ckpt-{first_k}-{second_k}"
     loop = loopax.Loop(new_trainer(), steps_per_execution=first_k)
     attach_sparse_triggers(loop, Firings())
