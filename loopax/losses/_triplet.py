@@ -97,13 +97,14 @@ def triplet(*, margin: float = 1.0, distance: str = "l2", mining: str = "semi_ha
             shape does not match them.
 
     Example:
+        Anchors 0 and 1 lose max(1 - 3 + 1, 0) = 0 and max(1 - 2 + 1, 0) = 0; anchor 2 has
+        no positive, so it is no anchor:
+
         >>> import jax.numpy as jnp
         >>> from loopax.losses import triplet
         >>> loss_fn = triplet(margin=1.0, mining="hard")
         >>> classes = jnp.array([0, 0, 1])
         >>> embeddings = jnp.array([[0.0, 0.0], [0.0, 1.0], [0.0, 3.0]])
-        >>> # anchors 0 and 1: max(1 - 3 + 1, 0) = 0 and max(1 - 2 + 1, 0) = 0; anchor 2 has
-        >>> # no positive, so it is no anchor.
         >>> float(loss_fn([classes], [embeddings]))
         0.0
         >>> float(triplet(margin=2.5, mining="hard")([classes], [embeddings]))  # (0.5 + 1.5) / 2

@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._device_data import DeviceArrays
+    from ._parallel import Device
 
 Batch = tuple[Any, list[Any], list[Any]]
 
@@ -66,16 +70,31 @@ class ArrayDataset:
         one input shape and so one compiled step.
       loop_forever: start the next epoch instead of raising `StopIteration`.
       spec: the spec yielded with every batch (selects the compiled step).
+      on_device: put the arrays on `devices` once, here, and gather every batch on the
+        devices with one compiled program from the epoch's permutation (kept on the
+        devices), so a step copies no data from the host. Batches, order, epochs and
+        `get_state` are those of the host dataset with the same arguments; the batches are
+        jax arrays (dtypes as JAX makes them: float64 becomes float32 unless x64 is on),
+        split over `devices` on the batch axis when the batch size divides by their count,
+        as the Trainer's step takes them. Every device holds all the arrays.
+      devices: with `on_device=True`, the devices to hold the arrays: the Trainer's
+        (default: all of `jax.devices()`, as the Trainer's default).
 
     Raises:
       TypeError: an input or label is not an array.
-      ValueError: first dimensions differ, no inputs, batch_size < 1, or not a single
-        batch with `drop_remainder=True`.
+      ValueError: first dimensions differ, no inputs, batch_size < 1, not a single
+        batch with `drop_remainder=True`, or bad `devices` (given without
+        `on_device=True`, empty, or not this process's jax devices).
 
     Example:
       >>> import numpy as np
       >>> ds = ArrayDataset(np.arange(10.0), np.arange(10), batch_size=4, shuffle=False)
       >>> spec, inputs, labels = ds.yield_batch()
+      >>> inputs[0].tolist(), labels[0].tolist()
+      ([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3])
+      >>> on_device = ArrayDataset(np.arange(10.0), np.arange(10), batch_size=4, shuffle=False,
+      ...                          on_device=True)
+      >>> spec, inputs, labels = on_device.yield_batch()  # gathered on the devices
       >>> inputs[0].tolist(), labels[0].tolist()
       ([0.0, 1.0, 2.0, 3.0], [0, 1, 2, 3])
     """
@@ -97,6 +116,8 @@ class ArrayDataset:
         drop_remainder: bool = True,
         loop_forever: bool = False,
         spec: Any = None,
+        on_device: bool = False,
+        devices: Sequence[Device] | None = None,
     ):
         self.inputs = _as_array_list(inputs, "inputs")
         self.labels = _as_array_list(labels, "labels") if not _is_empty(labels) else []
@@ -125,14 +146,34 @@ class ArrayDataset:
         self.drop_remainder = drop_remainder
         self.loop_forever = loop_forever
         self.spec = spec
+        self._device: DeviceArrays | None = None
+        if on_device:
+            from ._device_data import DeviceArrays, check_devices  # noqa: PLC0415
+
+            self._device = DeviceArrays(self.inputs, self.labels, check_devices(devices, name))
+        elif devices is not None:
+            raise ValueError(
+                f"ArrayDataset {name!r} got devices={devices!r} without on_device=True; "
+                "devices= chooses where on_device=True puts the arrays, so pass both or neither"
+            )
         self._epoch = 0
         self._position = 0
-        self._order = self._permutation(0)
+        self._set_order(0)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the arrays are on the devices and batches are gathered there."""
+        return self._device is not None
 
     def _permutation(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
         return np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
+
+    def _set_order(self, epoch: int) -> None:
+        self._order = self._permutation(epoch)
+        if self._device is not None:
+            self._device.set_order(self._order)
 
     def _batches_per_epoch_end(self) -> int:
         if self.drop_remainder:
@@ -142,26 +183,86 @@ class ArrayDataset:
     def _next_epoch(self) -> None:
         self._epoch += 1
         self._position = 0
-        self._order = self._permutation(self._epoch)
+        self._set_order(self._epoch)
 
-    def yield_batch(self) -> Batch:
-        """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at epoch end."""
+    def _start_batch(self) -> int:
+        """The epoch position of the next batch (a new epoch if looping).
+
+        Raises:
+          StopIteration: the epoch ended and the dataset does not loop.
+        """
         if self._position >= self._batches_per_epoch_end():
             if not self.loop_forever:
                 raise StopIteration
             self._next_epoch()
-        start = self._position
+        return self._position
+
+    def _take(self, start: int, count: int, size: int, stacked: bool) -> Batch:
+        if self._device is not None:
+            inputs, labels = self._device.gather(start, count, size, stacked)
+            return self.spec, inputs, labels
+        stop = start + count * size
+        index = slice(start, stop) if self._order is None else self._order[start:stop]
+
+        def take(array: Any) -> Any:
+            rows = array[index]
+            return rows.reshape((count, size, *rows.shape[1:])) if stacked else rows
+
+        return self.spec, [take(a) for a in self.inputs], [take(a) for a in self.labels]
+
+    def yield_batch(self) -> Batch:
+        """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at epoch end."""
+        start = self._start_batch()
         stop = min(start + self.batch_size, self.num_examples)
         self._position = stop
-        if self._order is None:
-            index = slice(start, stop)
-        else:
-            index = self._order[start:stop]
-        return (
-            self.spec,
-            [array[index] for array in self.inputs],
-            [array[index] for array in self.labels],
-        )
+        return self._take(start, 1, stop - start, stacked=False)
+
+    def yield_batches(self, count: int) -> Batch:
+        """Returns the next `count` batches stacked: each array has shape `(count, batch, ...)`.
+
+        The result equals `np.stack` of the next `count` `yield_batch()` results and leaves
+        the dataset where they would, but is gathered at once (with `on_device=True`, by one
+        compiled program). A group stops early at the end of an epoch (looping or not) and
+        before a batch of another size (the smaller last batch with `drop_remainder=False`,
+        which comes alone in the next group), so it may hold fewer than `count` batches.
+
+        Args:
+          count: how many batches at most, >= 1.
+
+        Returns:
+          `(spec, inputs, labels)` with the batches stacked on a new leading axis.
+
+        Raises:
+          ValueError: `count` is not a positive int.
+          StopIteration: no batch is left (as `yield_batch`).
+
+        Example:
+          >>> import numpy as np
+          >>> ds = ArrayDataset(np.arange(10.0), np.arange(10), batch_size=3, shuffle=False)
+          >>> spec, inputs, labels = ds.yield_batches(2)
+          >>> inputs[0].tolist()
+          [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+          >>> ds.yield_batches(2)[1][0].shape  # the epoch ends after one more batch
+          (1, 3)
+        """
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(
+                f"ArrayDataset {self.name!r} yield_batches needs a count >= 1 of batches to "
+                f"stack, got {count!r}"
+            )
+        start = self._start_batch()
+        end = self._batches_per_epoch_end()
+        size = min(start + self.batch_size, self.num_examples) - start
+        batches, position = 0, start
+        # As `count` calls of yield_batch would step, stopping at the epoch's end or a batch
+        # of another size (which could not be stacked).
+        while batches < count and position < end:
+            if min(position + self.batch_size, self.num_examples) - position != size:
+                break
+            batches += 1
+            position += size
+        self._position = position
+        return self._take(start, batches, size, stacked=True)
 
     def reset(self) -> None:
         """Starts the next epoch (with its own shuffle) from the beginning."""
@@ -191,12 +292,13 @@ class ArrayDataset:
             )
         self._epoch = int(state["epoch"])
         self._position = position
-        self._order = self._permutation(self._epoch)
+        self._set_order(self._epoch)
 
     def __repr__(self) -> str:
+        on_device = ", on_device=True" if self._device is not None else ""
         return (
             f"ArrayDataset(name={self.name!r}, examples={self.num_examples}, "
-            f"batch_size={self.batch_size})"
+            f"batch_size={self.batch_size}{on_device})"
         )
 
 

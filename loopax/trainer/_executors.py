@@ -18,7 +18,8 @@ class ExecInfo:
     """Describes one compiled executable, as reported to `Trainer.on_exec_creation`.
 
     Attributes:
-      graph_type: `"train"` or `"eval"`.
+      graph_type: `"train"`, `"train_steps"` (n fused steps: inputs carry a leading steps
+        axis), `"eval"` or `"predict"`.
       spec: the dataset spec the executable was compiled for.
       input_shapes, input_dtypes, label_shapes, label_dtypes: the global batch's
         shapes and dtype names.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import numbers
 import sys
 import time
 import warnings
@@ -109,7 +110,7 @@ class Loop(MetricsAccess):
             raise TypeError(f"Loop needs a loopax.Trainer, got {type(trainer).__name__}")
         if (
             isinstance(steps_per_execution, bool)
-            or not isinstance(steps_per_execution, int)
+            or not isinstance(steps_per_execution, numbers.Integral)
             or steps_per_execution < 1
         ):
             raise ValueError(
@@ -118,7 +119,7 @@ class Loop(MetricsAccess):
             )
         super().__init__()
         self.trainer = trainer
-        self.steps_per_execution = steps_per_execution
+        self.steps_per_execution = int(steps_per_execution)
         self.loop_step = trainer.global_step
         self.start_step = trainer.global_step
         self.end_step = -1

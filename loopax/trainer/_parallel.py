@@ -50,6 +50,8 @@ class Strategy:
         self.num_devices = len(self.devices)
         self.local_devices = sum(1 for d in self.devices if d.process_index == jax.process_index())
         self._replicated = NamedSharding(self.mesh, P())
+        # The batch split on axis 0, 1 or 2 (behind steps and micro-batch axes).
+        self._shardings = [NamedSharding(self.mesh, P(*([None] * axis), AXIS)) for axis in range(3)]
 
     # -- state and batches --------------------------------------------------------------
 
@@ -62,8 +64,19 @@ class Strategy:
         return state
 
     def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
-        """The program's input for this process's batch `arrays` (unchanged here)."""
-        return arrays
+        """The program's input for this process's batch `arrays`.
+
+        Host arrays are unchanged (the compiled program places them). A JAX array already
+        on the devices with another sharding (e.g. a piece sliced off an on-device batch)
+        is moved onto the batch's: jit refuses a committed argument sharded otherwise.
+        """
+        target = self._shardings[batch_axis]
+        return [
+            jax.device_put(a, target)
+            if isinstance(a, jax.Array) and not a.sharding.is_equivalent_to(target, a.ndim)
+            else a
+            for a in arrays
+        ]
 
     # -- the step body ------------------------------------------------------------------
 
@@ -135,7 +148,6 @@ class MultiProcess(Strategy):
 
     def __init__(self, devices: Sequence[Device]):
         super().__init__(devices)
-        self._shardings = [NamedSharding(self.mesh, P(*([None] * axis), AXIS)) for axis in range(3)]
 
     def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
         """Global arrays assembled from each process's local share, split on `batch_axis`."""
@@ -159,6 +171,10 @@ class Pmap(Strategy):
         return jax.tree.map(
             lambda leaf: np.broadcast_to(np.asarray(leaf), (n, *np.shape(leaf))), state
         )
+
+    def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
+        """Unchanged: the pmapped program takes a batch of any placement."""
+        return arrays
 
     def unplace(self, state: Any) -> Any:
         """Device 0's copy."""

@@ -20,7 +20,7 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
-from ._host_metrics import HostMetrics
+from ._host_metrics import HostMetrics, StepValues
 from ._parallel import AXIS, Strategy
 from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
@@ -425,7 +425,7 @@ class StepBuilder:
         split = len(values) - host_count
         stacked = tuple(values[:split])
         last = tuple(v[-1] for v in stacked)
-        host = tuple(v.of_micro_batches() for v in values[split:])
+        host = tuple(_fold_steps(v) for v in values[split:])
         return state, (stacked, last, host)
 
     def predict(self, spec, rng, state: TrainState, inputs):
@@ -510,6 +510,12 @@ class StepBuilder:
             *partials[1 + len(metrics) :],  # host metrics' step values
         )
         return (loss_state, *user_states), values
+
+
+def _fold_steps(values: Any) -> StepValues:
+    """A host metric's step values of every step of a scan, folded into one step's."""
+    assert isinstance(values, StepValues), "host metrics return StepValues"
+    return values.of_micro_batches()
 
 
 def _all_finite(tree: Any) -> jax.Array:

@@ -57,7 +57,9 @@ def test_a_trainable_scalar_variable_learns(devices):
     assert np.shape(params["w"]) == () and params["w"].dtype == np.float32
     assert params["w"] != 0.0  # trained from its initial value already
     for _ in range(100):
-        trainer.train_step(*linear_batch(rng))
+        # Waited for: with 4 simulated devices on 2 cores, a long queue of dispatched
+        # steps can stall XLA's collectives (the Loop bounds it; a hand loop must).
+        jax.block_until_ready(trainer.train_step(*linear_batch(rng)))
     assert float(jax.device_get(trainer.params)["w"]) == pytest.approx(3.0, abs=1e-3)
 
 

@@ -1,0 +1,107 @@
+"""Kill and resume with fused steps: a run with `steps_per_execution=32` is SIGKILLed in real
+subprocesses (at a group end, in the middle of reading a group) and rerun in the same
+directory, with the same or another K, until it completes. The result must be the
+uninterrupted single-step run's, bit for bit: the final parameters, `loop.history` and the
+metrics_log rows.
+"""
+
+import concurrent.futures
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = Path(__file__).with_name("fused_worker.py")
+TARGET = 160  # checkpoints at 48, 96, 144 (keep=2) and the end-of-run save at 160
+RUN_TIMEOUT_SECONDS = 180
+
+# name -> ([(K, --kill) of each run in order; the last one is not killed], the steps the
+# last run may resume from: more than one where a background save may or may not have
+# committed when the kill came)
+SCENARIOS = {
+    "reference: single steps": ([(1, None)], {None}),
+    "uninterrupted, K=32": ([(32, None)], {None}),
+    "at a group end, resumed with K=32": ([(32, "group-end:100"), (32, None)], {48, 96}),
+    "while reading a group, resumed with K=8": ([(32, "mid-group:110"), (8, None)], {48, 96}),
+    "twice, resumed with K=1 then K=32": (
+        [(32, "mid-group:20"), (1, "group-end:60"), (32, None)],
+        {None, 48},
+    ),
+}
+REFERENCE = "reference: single steps"
+
+
+def run_sequence(run_dir, runs, env):
+    results = []
+    for steps_per_execution, kill in runs:
+        command = [sys.executable, str(WORKER), str(run_dir), str(TARGET), str(steps_per_execution)]
+        if kill is not None:
+            command += ["--kill", kill]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_SECONDS
+        )
+        results.append((kill, done.returncode, done.stdout, done.stderr[-20000:]))
+        if kill is not None and done.returncode != -signal.SIGKILL:
+            break  # the kill did not come: what follows would test nothing
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused-kills")
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
+        JAX_PLATFORMS="cpu",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(run_sequence, root / f"run{index}", runs, env)
+            for index, (name, (runs, _)) in enumerate(SCENARIOS.items())
+        }
+    return {
+        name: (root / f"run{index}", futures[name].result()) for index, name in enumerate(SCENARIOS)
+    }
+
+
+def outputs(run_dir):
+    with np.load(run_dir / "params.npz") as saved:
+        params = {name: saved[name] for name in saved.files}
+    history = json.loads((run_dir / "history.json").read_text())
+    with open(run_dir / "log.csv", newline="") as file:
+        rows = sorted(csv.reader(file))
+    return params, history, rows
+
+
+@pytest.mark.parametrize("name", [name for name in SCENARIOS if name != REFERENCE])
+def test_a_killed_fused_run_resumes_to_the_uninterrupted_result(scenarios, name):
+    run_dir, results = scenarios[name]
+    runs, resumable = SCENARIOS[name]
+    for (kill, returncode, stdout, stderr), (_, want_kill) in zip(results, runs, strict=False):
+        assert kill == want_kill
+        want_code = 0 if kill is None else -signal.SIGKILL
+        assert returncode == want_code, f"run {kill}: {returncode}\n{stdout}\n{stderr}"
+    assert len(results) == len(runs)
+    last_stdout = results[-1][2]
+    resumed = last_stdout.splitlines()[0].removeprefix("resumed from step ")
+    assert (None if resumed == "None" else int(resumed)) in resumable, last_stdout
+    assert f"done at step {TARGET}" in last_stdout
+    if runs[-1][0] == 32:
+        assert "longest group 32" in last_stdout
+
+    want_params, want_history, want_rows = outputs(scenarios[REFERENCE][0])
+    params, history, rows = outputs(run_dir)
+    assert params.keys() == want_params.keys()
+    for key, want in want_params.items():
+        assert np.array_equal(params[key], want), key
+    assert history == want_history
+    assert rows == want_rows

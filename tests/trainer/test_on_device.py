@@ -1,0 +1,274 @@
+"""`ArrayDataset(..., on_device=True)`: the host dataset's batches, gathered on the devices."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import loopax
+from loopax.testing import count_compilations
+
+EXAMPLES = 10
+
+
+def make_dataset(on_device, batch_size=4, **kwargs):
+    inputs = np.arange(EXAMPLES * 3, dtype=np.float32).reshape(EXAMPLES, 3)
+    labels = np.arange(EXAMPLES, dtype=np.int32)
+    if on_device:
+        kwargs.setdefault("devices", jax.devices()[:1])
+    return loopax.ArrayDataset(
+        [inputs, inputs[:, :1] * 2], labels, batch_size, on_device=on_device, **kwargs
+    )
+
+
+def host_arrays(batch):
+    spec, inputs, labels = batch
+    return spec, [np.asarray(a) for a in inputs], [np.asarray(a) for a in labels]
+
+
+def assert_same_batch(actual, expected):
+    actual, expected = host_arrays(actual), host_arrays(expected)
+    assert actual[0] == expected[0]
+    for got, want in zip(actual[1] + actual[2], expected[1] + expected[2], strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def read_all(dataset, reader="yield_batch", *args):
+    batches = []
+    while True:
+        try:
+            batches.append(getattr(dataset, reader)(*args))
+        except StopIteration:
+            return batches
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_same_batches_as_host_over_epochs(shuffle, drop_remainder):
+    options = {"shuffle": shuffle, "drop_remainder": drop_remainder, "seed": 3}
+    host, device = make_dataset(False, **options), make_dataset(True, **options)
+    for _ in range(3):  # reset() starts each epoch with its own permutation
+        expected = read_all(host)
+        actual = read_all(device)
+        assert len(actual) == len(expected) == (2 if drop_remainder else 3)
+        for got, want in zip(actual, expected, strict=True):
+            assert isinstance(got[1][0], jax.Array)
+            assert_same_batch(got, want)
+        host.reset()
+        device.reset()
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_same_batches_as_host_looping_forever(drop_remainder):
+    options = {"loop_forever": True, "drop_remainder": drop_remainder, "seed": 5}
+    host, device = make_dataset(False, **options), make_dataset(True, **options)
+    epochs = []
+    for _ in range(10):  # four epochs and more, crossing epoch ends
+        assert_same_batch(device.yield_batch(), host.yield_batch())
+        epochs.append(device.get_state()["epoch"])
+        assert device.get_state() == host.get_state()
+    assert epochs[-1] >= 3
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_yield_batches_equals_stacked_yield_batch(on_device):
+    options = {"loop_forever": True, "drop_remainder": False, "batch_size": 3}
+    grouped, single = make_dataset(on_device, **options), make_dataset(on_device, **options)
+    leading = []
+    for _ in range(8):
+        spec, inputs, labels = grouped.yield_batches(2)
+        count = inputs[0].shape[0]
+        leading.append(count)
+        batches = [host_arrays(single.yield_batch()) for _ in range(count)]
+        stacked = (
+            batches[0][0],
+            [np.stack([b[1][i] for b in batches]) for i in range(2)],
+            [np.stack([b[2][0] for b in batches])],
+        )
+        assert_same_batch((spec, inputs, labels), stacked)
+        assert grouped.get_state() == single.get_state()
+    # Per epoch of 3 + 3 + 3 + 1 examples: two batches, then one before the smaller last
+    # batch, which comes alone.
+    assert leading == [2, 1, 1] * 2 + [2, 1]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_yield_batches_partial_group_then_stop(on_device):
+    dataset = make_dataset(on_device, batch_size=3)  # drop_remainder: 3 batches per epoch
+    groups = read_all(dataset, "yield_batches", 2)
+    assert [group[1][0].shape for group in groups] == [(2, 3, 3), (1, 3, 3)]
+    assert [group[2][0].shape for group in groups] == [(2, 3), (1, 3)]
+    with pytest.raises(StopIteration):
+        dataset.yield_batch()
+    dataset.reset()
+    assert dataset.yield_batches(5)[1][0].shape == (3, 3, 3)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_yield_batches_same_as_host(on_device):
+    host = make_dataset(False, batch_size=2, loop_forever=True, seed=1)
+    other = make_dataset(on_device, batch_size=2, loop_forever=True, seed=1)
+    for count in (3, 1, 4, 2, 5, 5):
+        assert_same_batch(other.yield_batches(count), host.yield_batches(count))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_set_state_mid_epoch_resumes_exactly(on_device):
+    options = {"loop_forever": True, "seed": 7, "batch_size": 3}
+    original = make_dataset(on_device, **options)
+    for _ in range(4):  # into the second epoch
+        original.yield_batch()
+    state = original.get_state()
+    assert state["epoch"] == 1 and state["position"] == 3
+    restored = make_dataset(on_device, **options)
+    restored.set_state(state)
+    for _ in range(5):
+        assert_same_batch(restored.yield_batch(), original.yield_batch())
+    assert_same_batch(restored.yield_batches(3), original.yield_batches(3))
+
+
+def test_no_transfer_or_compilation_per_batch(monkeypatch):
+    dataset = make_dataset(True, batch_size=2, shuffle=True, loop_forever=True)
+    dataset.yield_batch()  # compiles the gather of one batch
+    dataset.yield_batches(2)  # and of two stacked
+    puts = []
+    real_device_put = jax.device_put
+
+    def counting_device_put(*args, **kwargs):
+        puts.append(args)
+        return real_device_put(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counting_device_put)
+    with count_compilations() as compilations:
+        dataset.yield_batch()
+        dataset.yield_batch()  # the last of this epoch's 5
+    assert compilations.count == 0
+    assert puts == []
+    # A new epoch puts its permutation on the devices, once; its batches compile nothing.
+    with count_compilations() as compilations:
+        dataset.yield_batches(2)
+        for _ in range(3):
+            dataset.yield_batch()
+    assert compilations.count == 0
+    assert len(puts) == 1 and np.shape(puts[0][0]) == (EXAMPLES,)
+
+
+def test_batches_split_over_devices_like_the_trainer_takes_them():
+    devices = jax.devices()
+    dataset = make_dataset(True, batch_size=4, devices=devices, drop_remainder=False)
+    _, inputs, _ = dataset.yield_batch()
+    assert inputs[0].sharding.spec == jax.sharding.PartitionSpec("devices")
+    _, inputs, _ = dataset.yield_batches(1)
+    assert inputs[0].sharding.spec == jax.sharding.PartitionSpec(None, "devices")
+    _, inputs, _ = dataset.yield_batch()  # 2 examples left: not divisible, so replicated
+    assert inputs[0].shape == (2, 3)
+    assert inputs[0].sharding.is_fully_replicated
+    assert repr(dataset) == (
+        "ArrayDataset(name='array', examples=10, batch_size=4, on_device=True)"
+    )
+    assert dataset.on_device and not make_dataset(False).on_device
+
+
+def model_fn(ctx, spec, inputs):
+    return nn.Dense(1)(inputs[0])
+
+
+def regression_dataset(on_device, devices):
+    rng = np.random.default_rng(0)
+    inputs = rng.normal(size=(48, 3)).astype(np.float32)
+    labels = inputs @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    return loopax.ArrayDataset(
+        inputs,
+        labels,
+        batch_size=8,
+        loop_forever=True,
+        seed=2,
+        on_device=on_device,
+        devices=devices if on_device else None,
+    )
+
+
+def train(on_device, devices, steps=15, accumulate_steps=1):
+    trainer = loopax.Trainer(
+        model_fn,
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.05),
+        devices=devices,
+        accumulate_steps=accumulate_steps,
+    )
+    loop = loopax.Loop(trainer)
+    dataset = regression_dataset(on_device, devices)
+    metrics = loop.run_steps(dataset, steps)
+    return jax.device_get(trainer.params), float(metrics["loss"]), dataset.get_state()
+
+
+@pytest.mark.parametrize(("num_devices", "accumulate_steps"), [(1, 1), (4, 1), (4, 2)])
+def test_training_matches_host_dataset(num_devices, accumulate_steps):
+    devices = jax.devices()[:num_devices]
+    host_params, host_loss, host_state = train(False, devices, accumulate_steps=accumulate_steps)
+    params, loss, state = train(True, devices, accumulate_steps=accumulate_steps)
+    assert state == host_state
+    assert loss == host_loss
+    jax.tree.map(np.testing.assert_array_equal, params, host_params)
+
+
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_fused_steps_match_host_dataset(num_devices):
+    devices = jax.devices()[:num_devices]
+    results = []
+    for on_device in (False, True):
+        trainer = loopax.Trainer(
+            model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05), devices=devices
+        )
+        dataset = regression_dataset(on_device, devices)
+        trainer.train_step(*dataset.yield_batch())
+        for _ in range(3):
+            trainer.train_steps(*dataset.yield_batches(4))
+        results.append(jax.device_get(trainer.params))
+    jax.tree.map(np.testing.assert_array_equal, *results)
+
+
+@pytest.mark.parametrize(("num_devices", "batch_size"), [(1, 5), (4, 8)])
+def test_evaluation_matches_host_dataset(num_devices, batch_size):
+    devices = jax.devices()[:num_devices]
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05), devices=devices
+    )
+    loop = loopax.Loop(trainer)
+    loop.run_steps(regression_dataset(True, devices), 3)
+    source = regression_dataset(False, devices)
+    results = [
+        loop.evaluate(
+            loopax.ArrayDataset(
+                source.inputs,
+                source.labels,
+                batch_size,
+                name="test",
+                shuffle=False,
+                drop_remainder=False,
+                on_device=on_device,
+                devices=devices if on_device else None,
+            )
+        ).values
+        for on_device in (False, True)
+    ]
+    assert results[0] == results[1]
+
+
+def test_bad_arguments():
+    data = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="without on_device=True"):
+        loopax.ArrayDataset(data, (), 2, devices=jax.devices())
+    with pytest.raises(ValueError, match=r"devices=\[\]"):
+        loopax.ArrayDataset(data, (), 2, on_device=True, devices=[])
+    with pytest.raises(ValueError, match=r"devices\[0\] is a str, not a jax device"):
+        loopax.ArrayDataset(data, (), 2, on_device=True, devices=["cpu"])
+    dataset = loopax.ArrayDataset(data, (), 2, on_device=True)
+    for count in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="yield_batches needs a count >= 1"):
+            dataset.yield_batches(count)  # type: ignore[arg-type]
+    # The host dataset's checks hold on the device too.
+    with pytest.raises(ValueError, match="batch_size 5 is larger"):
+        loopax.ArrayDataset(data, (), 5, on_device=True)
