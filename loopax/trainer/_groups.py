@@ -44,6 +44,16 @@ def _kind(batch: Batch) -> tuple:
     )
 
 
+def _stacked_kind(piece: Batch) -> tuple:
+    """`_kind` of stacked batches: their spec and the shapes behind the steps axis."""
+    spec, inputs, labels = piece
+    return (
+        repr(spec),
+        tuple((np.shape(a)[1:], str(getattr(a, "dtype", ""))) for a in inputs),
+        tuple((np.shape(a)[1:], str(getattr(a, "dtype", ""))) for a in labels),
+    )
+
+
 def _chunks_of_run(run: list[Batch]) -> list[Chunk]:
     """A run of batches of one kind as power-of-two chunks, largest first."""
     chunks: list[Chunk] = []
@@ -84,6 +94,58 @@ def _chunks_of_stacked(spec: Any, inputs: list[Any], labels: list[Any]) -> list[
     return chunks
 
 
+def _concatenate(parts: list[Any]) -> Any:
+    if all(isinstance(a, np.ndarray) for a in parts):
+        return np.concatenate(parts)
+    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
+
+    return jnp.concatenate(parts)
+
+
+def _read_stacked(
+    dataset: Any, yield_batches: Callable[[int], Any], n: int
+) -> tuple[list[Chunk], bool]:
+    """A group from a dataset that stacks batches itself (`yield_batches`).
+
+    E.g. gathered on the device. It is read on across the dataset's epoch ends (a looping
+    dataset stops a stack there), so that a group keeps its length, and split into chunks
+    only where the kind of batch changes.
+    """
+    pieces: list[Batch] = []
+    count = 0
+    ended = False
+    while count < n:
+        try:
+            batch = yield_batches(n - count)
+        except StopIteration:
+            if not pieces:
+                raise
+            ended = True
+            break
+        if type(batch) is not tuple or len(batch) != 3:
+            raise bad_batch_error(dataset, batch)
+        piece = (batch[0], as_list(batch[1]), as_list(batch[2]))
+        pieces.append(piece)
+        count += int(np.shape(piece[1][0])[0])
+        if _stacked_kind(piece) != _stacked_kind(pieces[0]):
+            break  # another kind (a short last batch): it starts its own chunks
+    chunks: list[Chunk] = []
+    run = [pieces[0]]
+    for piece in [*pieces[1:], None]:
+        if piece is not None and _stacked_kind(piece) == _stacked_kind(run[0]):
+            run.append(piece)
+            continue
+        spec = run[0][0]
+        inputs = [_concatenate([p[1][i] for p in run]) for i in range(len(run[0][1]))]
+        labels = [_concatenate([p[2][i] for p in run]) for i in range(len(run[0][2]))]
+        if len(run) == 1:
+            inputs, labels = run[0][1], run[0][2]
+        chunks.extend(_chunks_of_stacked(spec, inputs, labels))
+        if piece is not None:
+            run = [piece]
+    return chunks, ended
+
+
 def group_reader(dataset: Any, accumulate_steps: int) -> Callable[[int], tuple[list[Chunk], bool]]:
     """`read(n) -> (chunks, ended)`: up to n steps' batches of `dataset`, as chunks.
 
@@ -104,12 +166,7 @@ def group_reader(dataset: Any, accumulate_steps: int) -> Callable[[int], tuple[l
 
     def read(n: int) -> tuple[list[Chunk], bool]:
         if yield_batches is not None:
-            # Already stacked (e.g. gathered on the device): split into chunks only. The
-            # dataset says it ended by raising StopIteration at the next read.
-            batch = yield_batches(n)
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
-            return _chunks_of_stacked(batch[0], as_list(batch[1]), as_list(batch[2])), False
+            return _read_stacked(dataset, yield_batches, n)
         batches: list[Batch] = []
         ended = False
         while len(batches) < n:

@@ -87,6 +87,9 @@ def main():
 
             loop.on_step("reads", lambda lp, m: read.clear())
             train.yield_batch = yield_batch
+            # The loop reads a group through yield_batches when a dataset has it (one
+            # stacked read); without it, batch by batch, so the kill falls inside a group.
+            train.yield_batches = None
         else:
             parser.error(f"unknown kill point {point!r}")
 
