@@ -173,6 +173,7 @@ class ClockSchedule(Schedule):
     """
 
     period_seconds: float
+    time_based = True
 
     MAX_AHEAD = 32
 

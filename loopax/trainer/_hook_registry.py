@@ -58,6 +58,8 @@ class HookRegistry:
         self._order = itertools.count()
         self._every_step: list[Hook] = []  # OnStep hooks visited after every step
         self._wake_step = NEVER  # the next step at which a step-scheduled hook may fire
+        # The next step a hook fires at by steps, not by the clock: fused groups end there.
+        self._exact_wake_step = NEVER
         self._scheduling = False  # True from a run's first step: its schedules have started
         self._states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
@@ -297,7 +299,7 @@ class HookRegistry:
             schedule = hook.schedule
             assert schedule is not None, "a hook not asked every step has a schedule"
             hook.next = schedule.next_step(self._as_loop, self.loop_step)
-        self._wake_step = min((h.next for h in self._step_scheduled()), default=NEVER)
+        self._set_wake_steps()
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
@@ -328,13 +330,21 @@ class HookRegistry:
             self._call(hook, argument)
             schedule.fired(self._as_loop)
 
+    def _set_wake_steps(self) -> None:
+        hooks = list(self._step_scheduled())
+        self._wake_step = min((h.next for h in hooks), default=NEVER)
+        self._exact_wake_step = min(
+            (h.next for h in hooks if h.schedule is not None and not h.schedule.time_based),
+            default=NEVER,
+        )
+
     def _step_hooks(self, metrics: Metrics, step: int) -> None:
         if step >= self._wake_step:
             for hook in self._hooks["OnStep"]:
                 if self._rewound:
                     return
                 self._visit(hook, metrics, step)
-            self._wake_step = min((h.next for h in self._step_scheduled()), default=NEVER)
+            self._set_wake_steps()
         else:
             for hook in self._every_step:
                 if self._rewound:

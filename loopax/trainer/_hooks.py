@@ -68,6 +68,9 @@ class Schedule(abc.ABC):
 
     #: True for a schedule that must be asked after every step (e.g. a clock).
     checks_every_step: bool = False
+    #: True for a schedule that fires by the clock, not at set steps: with fused execution
+    #: (`Loop(steps_per_execution=K)`) it fires at group ends and never ends a group early.
+    time_based: bool = False
     #: True for a schedule of epoch ends (`loop.on_epoch_end`), False for one of steps.
     at_epoch_end: bool = False
 
@@ -119,6 +122,7 @@ class AnyOf(Schedule):
     schedules: tuple[Schedule, ...]
     at_epoch_end: bool
     checks_every_step: bool
+    time_based: bool
 
     def __init__(self, *schedules: Schedule):
         flat: list[Schedule] = []
@@ -139,6 +143,8 @@ class AnyOf(Schedule):
         self.schedules = tuple(flat)
         self.at_epoch_end = kinds.pop() if kinds else False
         self.checks_every_step = any(s.checks_every_step for s in flat)
+        # Only all-clock: a step part keeps its steps exact (and ends fused groups).
+        self.time_based = bool(flat) and all(s.time_based for s in flat)
 
     def start_run(self, loop: Loop) -> None:
         for schedule in self.schedules:

@@ -351,8 +351,9 @@ class Loop(MetricsAccess):
     def _train_groups_until(self, dataset: Dataset, stop_step: int) -> bool:
         """`_train_until` with fused execution: groups of up to `steps_per_execution` steps.
 
-        A group ends at the next step a scheduled OnStep hook fires at (`_wake_step`), at
-        `stop_step`, or where the dataset ends; OnStep hooks run once, at its last step.
+        A group ends at the next step a step-scheduled OnStep hook fires at
+        (`_exact_wake_step`: a clock's fires at group ends), at `stop_step`, or where the
+        dataset ends; OnStep hooks run once, at its last step.
         """
         trainer = self.trainer
         read = group_reader(dataset, trainer.accumulate_steps)
@@ -364,7 +365,7 @@ class Loop(MetricsAccess):
             while self.loop_step < stop_step and not self._stop_requested:
                 started = clock()
                 first = self.loop_step
-                wanted = min(most, stop_step - first, self._wake_step - first + 1)
+                wanted = min(most, stop_step - first, self._exact_wake_step - first + 1)
                 try:
                     chunks, ended = read(power_of_two_at_most(max(wanted, 1)))
                 except StopIteration:

@@ -347,6 +347,27 @@ def test_time_based_triggers_fire_at_group_ends():
     )
 
 
+def test_a_clock_schedule_never_cuts_a_group_short():
+    # A progress bar or a periodic callback predicts the step its period ends at and asks
+    # again from there; with fused steps that must not split the groups.
+    trainer = make_trainer()
+    loop = loopax.Loop(trainer, steps_per_execution=8)
+    lengths, periodic = [], []
+    loop.on_step("length", lambda loop, metrics: lengths.append(len(loop.group_metrics["loss"])))
+    hooks.periodic_callback(
+        loop,
+        10.0,
+        "every 10 s",
+        lambda loop, metrics: periodic.append(trainer.global_step),
+        clock=lambda: float(trainer.global_step),  # one clock second per step
+    )
+    loop.run_steps(make_data(), 96)
+    assert lengths == [8] * 12
+    # The period starts at the first group end (8), then fires at the first group end
+    # 10 clock seconds after the last firing.
+    assert periodic == [24, 40, 56, 72, 88]
+
+
 def test_request_stop_ends_the_run_at_the_end_of_the_group():
     trainer = make_trainer()
     loop = loopax.Loop(trainer, steps_per_execution=8)
