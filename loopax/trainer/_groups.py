@@ -111,15 +111,19 @@ def _read_stacked(
     dataset stops a stack there), so that a group keeps its length, and split into chunks
     only where the kind of batch changes.
     """
-    pieces: list[Batch] = []
-    count = 0
     ended = False
+    first = yield_batches(n)  # StopIteration: no batch left
+    if type(first) is not tuple or len(first) != 3:
+        raise bad_batch_error(dataset, first)
+    piece = (first[0], as_list(first[1]), as_list(first[2]))
+    count = int(np.shape(piece[1][0])[0])
+    if count == n:  # the common case: one stack of the whole group
+        return _chunks_of_stacked(*piece), False
+    pieces = [piece]
     while count < n:
         try:
             batch = yield_batches(n - count)
-        except StopIteration:
-            if not pieces:
-                raise
+        except StopIteration:  # a dataset that does not loop ended after `pieces`
             ended = True
             break
         if type(batch) is not tuple or len(batch) != 3:
@@ -135,11 +139,10 @@ def _read_stacked(
         if piece is not None and _stacked_kind(piece) == _stacked_kind(run[0]):
             run.append(piece)
             continue
-        spec = run[0][0]
-        inputs = [_concatenate([p[1][i] for p in run]) for i in range(len(run[0][1]))]
-        labels = [_concatenate([p[2][i] for p in run]) for i in range(len(run[0][2]))]
-        if len(run) == 1:
-            inputs, labels = run[0][1], run[0][2]
+        spec, inputs, labels = run[0]
+        if len(run) > 1:
+            inputs = [_concatenate([p[1][i] for p in run]) for i in range(len(inputs))]
+            labels = [_concatenate([p[2][i] for p in run]) for i in range(len(labels))]
         chunks.extend(_chunks_of_stacked(spec, inputs, labels))
         if piece is not None:
             run = [piece]
