@@ -384,6 +384,19 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     # -- steps ----------------------------------------------------------------------------
 
+    def _run_train(self, graph: str, spec: Any, inputs: Any, labels: Any) -> Any:
+        """Runs the compiled `graph` ("train" or "train_steps") on a batch; its values."""
+        inputs = as_list(inputs)
+        labels = as_list(labels)
+        executor = self._cache.executor(graph, spec, inputs, labels, self._compile)
+        strategy = self._strategy
+        if strategy.multi_process:
+            leading = len(self._leading_axes[graph])
+            inputs = strategy.global_batch(inputs, leading)
+            labels = strategy.global_batch(labels, leading)
+        self._state, values = executor.run(self._state, inputs, labels)
+        return values
+
     def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch; returns the train metrics.
 
@@ -401,15 +414,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
             device count, the spec used before with another number of inputs/labels, or
             (accumulating) arrays without a common leading axis of micro-batches.
         """
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._cache.executor("train", spec, inputs, labels, self._compile)
-        strategy = self._strategy
-        if strategy.multi_process:
-            leading = len(self._leading_axes["train"])
-            inputs = strategy.global_batch(inputs, leading)
-            labels = strategy.global_batch(labels, leading)
-        self._state, values = executor.run(self._state, inputs, labels)
+        values = self._run_train("train", spec, inputs, labels)
         self._global_step += 1
         host_train = self._steps.config.host_train
         if host_train:  # host metrics: their step values wait, unread
@@ -434,15 +439,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
         Raises:
           As `train_step`, and ValueError for arrays without a common leading steps axis.
         """
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._cache.executor("train_steps", spec, inputs, labels, self._compile)
-        strategy = self._strategy
-        if strategy.multi_process:
-            leading = len(self._leading_axes["train_steps"])
-            inputs = strategy.global_batch(inputs, leading)
-            labels = strategy.global_batch(labels, leading)
-        self._state, (stacked, last, host_values) = executor.run(self._state, inputs, labels)
+        stacked, last, host_values = self._run_train("train_steps", spec, inputs, labels)
         self._global_step += int(np.shape(stacked[0])[0])
         names = self._step_metric_names
         host_train = self._steps.config.host_train
