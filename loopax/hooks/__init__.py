@@ -4,7 +4,7 @@ from ..trainer._hooks import AnyOf as AnyOf
 from ..trainer._hooks import Schedule as Schedule
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import NoGoodCheckpointError as NoGoodCheckpointError
-from ._checkpoint import checkpoint as checkpoint
+from ._checkpoint_hook import checkpoint as checkpoint
 from ._checkpoint_io import DamagedCheckpointError as DamagedCheckpointError
 from ._checkpoint_writer import BackgroundSaveError as BackgroundSaveError
 from ._early_stopping import EarlyStopping as EarlyStopping

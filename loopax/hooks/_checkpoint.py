@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from ..trainer._finite import NonFiniteLossError
-from ..trainer._hooks import Priority
 from ..trainer._loop import Loop
 from ..trainer._state import first_non_finite
 from ._checkpoint_checks import check_best_metric as _check_best_metric
@@ -47,9 +45,7 @@ from ._checkpoint_io import (
     set_aside_entries,
 )
 from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
-from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
 from ._metric_info import split_eval_key
-from ._triggers import on_schedule
 
 if TYPE_CHECKING:
     from ..trainer._trainer import Trainer
@@ -410,129 +406,3 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r}, steps={self.all_steps()})"
-
-
-def checkpoint(
-    loop: Loop,
-    directory: str | os.PathLike[str],
-    *,
-    keep: int | None = 3,
-    every_n_steps: int | None = None,
-    period_seconds: float | None = None,
-    every_n_epochs: int | None = None,
-    best_metric: str | None = None,
-    best_mode: str = "min",
-    keep_best: int = 1,
-    keep_period: int | None = None,
-    restore: bool | str = True,
-    async_save: bool = True,
-    clock: Callable[[], float] = time.monotonic,
-) -> Checkpointer:
-    """Checkpoints the loop's training to `directory` with Orbax and resumes from it.
-
-    When attached, restores the newest good checkpoint: the trainer's state, `global_step`
-    and `loop.loop_step` continue from it at once (so `loop.run_to_step(ds, target)` runs
-    only what is left), the loop's history and hook states come back, and the dataset
-    position (`get_state`/`set_state`) at the start of the next run. A resumed run then
-    matches an uninterrupted one bit for bit, its logs included. A damaged checkpoint
-    (unreadable, not matching the checksums written with it, or holding NaN or infinite
-    values) is moved to `<directory>/damaged/` with a warning and the next newest is
-    restored; when none is good the hook raises instead of starting over.
-
-    Saves run in the background (training continues once the arrays are off the device) and
-    are atomic: a save cut off by a crash is never taken for a checkpoint. A save waits for
-    every loss so far to be checked finite and refuses a state holding NaN or infinity; the
-    logs (TensorBoard, metrics_log, plot) of its step are on disk before it commits. The hook
-    saves on its triggers and at the end of every run (an interrupted run included), waits
-    for in-flight saves at the end of each run, when a run raises, and at interpreter exit,
-    and keeps the newest `keep` checkpoints plus the `keep_best` best by `best_metric` plus
-    every step that is a multiple of `keep_period`. A failed background save (a read-only
-    directory, a full disk) raises at the next step.
-
-    Args:
-      loop: the `loopax.Loop`.
-      directory: where the checkpoints go; created if missing. It must hold nothing but
-        loopax checkpoints.
-      keep: how many of the newest checkpoints to keep; None keeps all.
-      every_n_steps: also save after step k when `(k + 1) % every_n_steps == 0`, i.e. at
-        global steps that are multiples of it.
-      period_seconds: also save when this many seconds passed since the last periodic save.
-      every_n_epochs: also save at the end of every n-th epoch of `run_epochs`.
-      best_metric: keep the best checkpoints by this metric, a key of `loop.history`:
-        `"train/<metric>"` (e.g. `"train/loss"`, the saving step's) or
-        `"eval/<dataset>/<metric>"` (e.g. `"eval/test/mean_loss"`: the evaluation of the
-        saving step, from `hooks.evaluate`). A save without the value counts only for
-        `keep` and `keep_period`.
-      best_mode: `"min"` or `"max"`: whether lower or higher `best_metric` is better.
-      keep_best: how many of the best checkpoints to keep.
-      keep_period: keep every checkpoint whose step is a multiple of this, forever.
-      restore: True or `"latest"` restores the newest good checkpoint now; False or
-        `"never"` does not (and starts fresh even beside damaged checkpoints).
-      async_save: save in the background (False blocks the loop until each save is written).
-      clock: the clock of `period_seconds`, in seconds.
-
-    Returns:
-      The `Checkpointer`, for `save()`, `restore(step)`, `restore_best()`, `best_step()`,
-      `latest_step()`, `all_steps()` and `wait()`.
-
-    Raises:
-      ValueError: a bad count, `best_mode`, `best_metric` or `restore`, or a directory
-        holding something that is not a loopax checkpoint.
-      NoGoodCheckpointError: every checkpoint in the directory is damaged.
-
-    Example:
-      >>> import tempfile, numpy as np, optax, flax.linen as nn, loopax
-      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
-      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
-      >>> data = loopax.ArrayDataset(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32),
-      ...     batch_size=4, loop_forever=True)
-      >>> directory = tempfile.mkdtemp()
-      >>> checkpointer = checkpoint(loopax.Loop(trainer), directory, every_n_steps=2)
-      >>> _ = checkpointer.loop.run_to_step(data, 5)
-      >>> checkpointer.all_steps()
-      [2, 4, 5]
-      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
-      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
-      >>> loop = loopax.Loop(trainer)
-      >>> checkpointer = checkpoint(loop, directory)
-      >>> trainer.global_step, loop.loop_step, trainer.params is not None
-      (5, 5, True)
-    """
-    if restore not in (True, False, "latest", "never"):
-        raise ValueError(f"restore must be True, False, 'latest' or 'never', got {restore!r}")
-    schedules = [
-        schedule
-        for schedule in (
-            None if every_n_steps is None else EveryNSteps(every_n_steps),
-            None if period_seconds is None else Periodic(period_seconds, clock),
-            None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
-        )
-        if schedule is not None
-    ]
-    checkpointer = Checkpointer(
-        loop,
-        directory,
-        keep=keep,
-        best_metric=best_metric,
-        best_mode=best_mode,
-        keep_best=keep_best,
-        keep_period=keep_period,
-        async_save=async_save,
-    )
-    for schedule in schedules:
-        # `save` checks the losses itself, first (a nan_guard may roll back there).
-        on_schedule(
-            loop,
-            schedule,
-            "checkpoint",
-            checkpointer._save_on_trigger,
-            priority=Priority.CHECKPOINT,
-            check_finite=False,
-        )
-    # Before the other start hooks, so that they see the restored dataset position.
-    loop.on_start("checkpoint: restore position", checkpointer._on_start, Priority.VALIDATE)
-    loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT, check_finite=False)
-    loop.on_error("checkpoint", checkpointer._on_error, Priority.CHECKPOINT)
-    if restore in (True, "latest"):
-        checkpointer.restore()
-    return checkpointer
