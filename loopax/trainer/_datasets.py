@@ -375,12 +375,15 @@ def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
         yield batch
 
 
-def _stack(arrays: list[Any]) -> Any:
+def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
+    """`arrays` stacked on a new leading axis (or concatenated on the first): with numpy
+    when they are all host arrays, else with `jax.numpy` on their device.
+    """
     if all(isinstance(a, np.ndarray) for a in arrays):
-        return np.stack(arrays)
+        return np.stack(arrays) if stack else np.concatenate(arrays)
     import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
 
-    return jnp.stack(arrays)
+    return jnp.stack(arrays) if stack else jnp.concatenate(arrays)
 
 
 def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
@@ -414,8 +417,8 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
                 _check_same_kind(dataset, group[0], (spec, inputs, labels), len(group), count)
             group.append((spec, inputs, labels))
         spec = group[0][0]
-        inputs = [_stack([g[1][i] for g in group]) for i in range(len(group[0][1]))]
-        labels = [_stack([g[2][i] for g in group]) for i in range(len(group[0][2]))]
+        inputs = [join_arrays([g[1][i] for g in group]) for i in range(len(group[0][1]))]
+        labels = [join_arrays([g[2][i] for g in group]) for i in range(len(group[0][2]))]
         return spec, inputs, labels
 
     return read

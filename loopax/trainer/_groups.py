@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._datasets import Batch, as_list, bad_batch_error, micro_batch_reader
+from ._datasets import Batch, as_list, bad_batch_error, join_arrays, micro_batch_reader
 
 # (step count, spec, inputs, labels): one compiled call's batches; stacked on a leading
 # steps axis when the count is above one.
@@ -25,14 +25,6 @@ Chunk = tuple[int, Any, list[Any], list[Any]]
 def power_of_two_at_most(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (n.bit_length() - 1)
-
-
-def _stack(arrays: list[Any]) -> Any:
-    if all(isinstance(a, np.ndarray) for a in arrays):
-        return np.stack(arrays)
-    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
-
-    return jnp.stack(arrays)
 
 
 def _kind(batch: Batch) -> tuple:
@@ -65,8 +57,8 @@ def _chunks_of_run(run: list[Batch]) -> list[Chunk]:
         if count == 1:
             chunks.append((1, spec, part[0][1], part[0][2]))
         else:
-            inputs = [_stack([b[1][i] for b in part]) for i in range(len(part[0][1]))]
-            labels = [_stack([b[2][i] for b in part]) for i in range(len(part[0][2]))]
+            inputs = [join_arrays([b[1][i] for b in part]) for i in range(len(part[0][1]))]
+            labels = [join_arrays([b[2][i] for b in part]) for i in range(len(part[0][2]))]
             chunks.append((count, spec, inputs, labels))
         start += count
     return chunks
@@ -92,14 +84,6 @@ def _chunks_of_stacked(spec: Any, inputs: list[Any], labels: list[Any]) -> list[
             chunks.append((count, spec, [a[part] for a in inputs], [a[part] for a in labels]))
         start += count
     return chunks
-
-
-def _concatenate(parts: list[Any]) -> Any:
-    if all(isinstance(a, np.ndarray) for a in parts):
-        return np.concatenate(parts)
-    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
-
-    return jnp.concatenate(parts)
 
 
 def _read_stacked(
@@ -141,8 +125,8 @@ def _read_stacked(
             continue
         spec, inputs, labels = run[0]
         if len(run) > 1:
-            inputs = [_concatenate([p[1][i] for p in run]) for i in range(len(inputs))]
-            labels = [_concatenate([p[2][i] for p in run]) for i in range(len(labels))]
+            inputs = [join_arrays([p[1][i] for p in run], stack=False) for i in range(len(inputs))]
+            labels = [join_arrays([p[2][i] for p in run], stack=False) for i in range(len(labels))]
         chunks.extend(_chunks_of_stacked(spec, inputs, labels))
         if piece is not None:
             run = [piece]

@@ -96,7 +96,7 @@ def to_float32(tree: Any, dtype: np.dtype | None) -> Any:
     if dtype is None:
         return tree
     return jax.tree.map(
-        lambda leaf: leaf.astype(jnp.float32) if leaf.dtype in (dtype,) else leaf, tree
+        lambda leaf: leaf.astype(jnp.float32) if leaf.dtype == dtype else leaf, tree
     )
 
 

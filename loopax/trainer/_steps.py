@@ -146,9 +146,10 @@ class StepBuilder:
             mutable=list(model_state.keys()),
             global_step=step,
         )
-        new_model_state = jax.tree.map(
-            lambda new, old: new.astype(old.dtype), dict(new_model_state), dict(model_state)
-        )
+        if dtype is not None:  # batch statistics computed in the compute dtype keep theirs
+            new_model_state = jax.tree.map(
+                lambda new, old: new.astype(old.dtype), dict(new_model_state), dict(model_state)
+            )
         return to_float32(predictions, dtype), added_loss, new_model_state
 
     def _update_metrics(self, metrics, states, labels, predictions):
