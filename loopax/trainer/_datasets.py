@@ -376,8 +376,9 @@ def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
 
 
 def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
-    """`arrays` stacked on a new leading axis (or concatenated on the first): with numpy
-    when they are all host arrays, else with `jax.numpy` on their device.
+    """`arrays` stacked on a new leading axis, or concatenated on the first (`stack=False`).
+
+    With numpy when they are all host arrays, else with `jax.numpy` on their device.
     """
     if all(isinstance(a, np.ndarray) for a in arrays):
         return np.stack(arrays) if stack else np.concatenate(arrays)
