@@ -69,17 +69,26 @@ FUSED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
 FUSED_BARE = f"loopax Loop, K={K}, bare, {DATA}"
 
 
-def fused_dataset(workload: Workload, batches: Sequence[Batch], k: int) -> Any:
+def fused_dataset(
+    workload: Workload, batches: Sequence[Batch], k: int, devices: Sequence[Any] | None = None
+) -> Any:
     """The fused Loop's data: an on-device `ArrayDataset` of 2k cycled batches.
 
-    It loops over them in order, so executions also cross its epoch boundary. Without
+    It loops over them in order, so executions also cross its epoch boundary. It is held
+    on the trainer's `devices` (default: the first device, as `_trainer`'s). Without
     `on_device=`: the device-resident batches themselves, cycled.
     """
     if not FEATURES["on_device"]:
         return CyclingDataset(batches)
     x, y = host_arrays(batches, 2 * k)
     return loopax.ArrayDataset(
-        x, y, workload.batch_size, shuffle=False, loop_forever=True, on_device=True
+        x,
+        y,
+        workload.batch_size,
+        shuffle=False,
+        loop_forever=True,
+        on_device=True,
+        devices=list(devices) if devices is not None else jax.devices()[:1],
     )
 
 
@@ -196,7 +205,7 @@ def fused_loop(
     loop = loopax.Loop(_trainer(workload, devices), steps_per_execution=k)
     if attach is not None:
         attach(loop)
-    dataset = fused_dataset(workload, batches, k)
+    dataset = fused_dataset(workload, batches, k, devices)
     loop.run_steps(dataset, k)  # compiles the k-step execution
 
     def run() -> None:

@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from ._device_data import DeviceArrays
+    from ._device_data import DeviceArrays, DeviceChunk
     from ._parallel import Device
 
 Batch = tuple[Any, list[Any], list[Any]]
@@ -250,19 +251,75 @@ class ArrayDataset:
                 f"ArrayDataset {self.name!r} yield_batches needs a count >= 1 of batches to "
                 f"stack, got {count!r}"
             )
+        start, batches, size = self._advance(count)
+        return self._take(start, batches, size, stacked=True)
+
+    def _advance(self, count: int) -> tuple[int, int, int]:
+        """Moves past up to `count` batches as `yield_batch` would; `(start, batches, size)`.
+
+        It stops at the end of the epoch or before a batch of another size (which could
+        not be stacked with these).
+
+        Raises:
+          StopIteration: no batch is left (as `yield_batch`).
+        """
         start = self._start_batch()
         end = self._batches_per_epoch_end()
         size = min(start + self.batch_size, self.num_examples) - start
         batches, position = 0, start
-        # As `count` calls of yield_batch would step, stopping at the epoch's end or a batch
-        # of another size (which could not be stacked).
         while batches < count and position < end:
             if min(position + self.batch_size, self.num_examples) - position != size:
                 break
             batches += 1
             position += size
         self._position = position
-        return self._take(start, batches, size, stacked=True)
+        return start, batches, size
+
+    def _device_steps(self, count: int) -> tuple[list[DeviceChunk], bool]:
+        """The next `count` batches (or fewer at the data's end) as chunks left on the devices.
+
+        For the fused Loop (`on_device=True` only): the dataset moves on as `count` calls
+        of `yield_batch` would, but nothing is gathered; the Trainer's program gathers each
+        `DeviceChunk`. A chunk holds batches of one size and spans at most two epochs. The
+        flag says the data ended (`loop_forever=False`) before `count` batches.
+
+        Raises:
+          StopIteration: no batch is left.
+        """
+        from ._device_data import DeviceChunk  # noqa: PLC0415
+
+        device = self._device
+        assert device is not None, "_device_steps needs on_device=True"
+        chunks: list[DeviceChunk] = []
+        end = self._batches_per_epoch_end()
+        read, crossed = 0, True  # `crossed`: the last chunk already spans two epochs
+        while read < count:
+            epoch = self._epoch
+            try:
+                start, batches, size = self._advance(count - read)
+            except StopIteration:
+                if not chunks:
+                    raise
+                return chunks, True
+            read += batches
+            last = chunks[-1] if chunks else None
+            if (
+                last is not None
+                and not crossed
+                and start == 0
+                and self._epoch == epoch + 1
+                and size == last.size
+                and last.start + last.count * size == end
+            ):  # the run goes on into the next epoch: one chunk
+                chunks[-1] = dataclasses.replace(
+                    last, count=last.count + batches, next_order=device.order
+                )
+                crossed = True
+                continue
+            order = device.order
+            chunks.append(DeviceChunk(device, batches, size, start, end, order, order))
+            crossed = False
+        return chunks, False
 
     def reset(self) -> None:
         """Starts the next epoch (with its own shuffle) from the beginning."""

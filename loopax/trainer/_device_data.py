@@ -3,12 +3,15 @@
 The arrays are replicated over the devices once, since any example may fall in any
 device's shard of a batch once the epoch's permutation changes. Each epoch's permutation
 goes to the devices once too; a batch (or a group of batches) is then one compiled gather
-that takes only its start offset from the host, a scalar.
+that takes only its start offset from the host, a scalar. The fused Loop goes further: it
+hands the Trainer a `DeviceChunk` (where a group's batches lie) and the Trainer's compiled
+program gathers them itself, so a group of steps is a single dispatch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -73,6 +76,7 @@ class DeviceArrays:
         self._replicated = NamedSharding(self._mesh, P())
         self.inputs, self.labels = jax.device_put((inputs, labels), self._replicated)
         self._order: jax.Array | None = None
+        self._key: Hashable | None = None
         self._gathers: dict[tuple[int, int, bool], Gather] = {}
 
     def set_order(self, order: np.ndarray | None) -> None:
@@ -81,38 +85,194 @@ class DeviceArrays:
             None if order is None else jax.device_put(order.astype(np.int32), self._replicated)
         )
 
+    @property
+    def order(self) -> jax.Array | None:
+        """The current epoch's permutation on the devices (None: examples in order)."""
+        return self._order
+
+    @property
+    def key(self) -> Hashable:
+        """What a program compiled for these arrays depends on: their avals and devices."""
+        if self._key is None:
+            avals = tuple(a.aval for a in [*self.inputs, *self.labels])
+            self._key = (len(self.inputs), avals, tuple(self.devices))
+        return self._key
+
     def gather(
-        self, start: int, count: int, size: int, stacked: bool
+        self, start: int, count: int, size: int, stacked: bool, order: Any = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         """The `count` batches of `size` examples from epoch position `start`, on the devices.
 
         With `stacked` each array has shape `(count, size, ...)`, else `(size, ...)` (for
-        `count == 1`).
+        `count == 1`). `order` is the epoch's permutation on the devices (default: the
+        current epoch's).
         """
         key = (count, size, stacked)
         gather = self._gathers.get(key)
         if gather is None:
             gather = self._gathers[key] = self._compile(count, size, stacked)
-        return gather(self.inputs, self.labels, self._order, np.int32(start))
+        order = self._order if order is None else order
+        return gather(self.inputs, self.labels, order, np.int32(start))
 
     def _compile(self, count: int, size: int, stacked: bool) -> Gather:
-        examples = count * size
-
-        def take(array: jax.Array, order: jax.Array | None, start: jax.Array) -> jax.Array:
-            if order is None:
-                rows = lax.dynamic_slice_in_dim(array, start, examples)
-            else:
-                rows = jnp.take(array, lax.dynamic_slice_in_dim(order, start, examples), axis=0)
-            return rows.reshape((count, size, *array.shape[1:])) if stacked else rows
-
         def gather(inputs: list, labels: list, order: jax.Array | None, start: jax.Array) -> Any:
-            return (
-                [take(array, order, start) for array in inputs],
-                [take(array, order, start) for array in labels],
-            )
+            # Within one epoch: the end is past the last position read.
+            end = start + count * size
+            rows = rows_of([*inputs, *labels], order, order, start, end, count * size)
+            if stacked:
+                rows = [array.reshape((count, size, *array.shape[1:])) for array in rows]
+            return rows[: len(inputs)], rows[len(inputs) :]
 
         gather.__name__ = "gather_batches" if stacked else "gather_batch"
         leading = (None,) if stacked else ()
         split = size % len(self.devices) == 0
         batch = NamedSharding(self._mesh, P(*leading, AXIS)) if split else self._replicated
         return jax.jit(gather, out_shardings=batch)
+
+
+def check_trainer_devices(dataset: Any, trainer: Any) -> None:
+    """Refuses to train on an on-device dataset held on other devices than the trainer's.
+
+    A batch gathered on the dataset's devices cannot enter a step compiled for other
+    devices; this says so before the first step, in words. (With several processes each
+    holds its own part of the data, which the trainer assembles.)
+
+    Raises:
+      ValueError: `dataset` holds its arrays on devices other than `trainer.devices`.
+    """
+    source = getattr(dataset, "_device", None)
+    if not isinstance(source, DeviceArrays) or jax.process_count() > 1:
+        return
+    if trainer.gathers_on(source.devices):
+        return
+    held = [device.id for device in source.devices]
+    used = [device.id for device in trainer.devices]
+    raise ValueError(
+        f"ArrayDataset {dataset.name!r} holds its arrays on devices {held} (on_device=True), "
+        f"but the Trainer trains on devices {used}; its batches cannot enter the Trainer's "
+        "step. Build the dataset with devices=trainer.devices (the same devices, in the "
+        "same order)"
+    )
+
+
+def rows_of(
+    arrays: list[jax.Array],
+    order: jax.Array | None,
+    next_order: jax.Array | None,
+    first: jax.Array,
+    end: jax.Array,
+    count: int,
+) -> list[jax.Array]:
+    """The rows of `count` epoch positions from `first` on, of each array (traced).
+
+    `end` is the epoch's end: from there on positions are the next epoch's, from its
+    position 0, in `next_order`. The `count` positions lie on one side of `end` (a
+    batch never straddles it). `order`/`next_order` are the epochs' permutations on the
+    devices (None: in order, so a batch is a slice).
+    """
+    crossed = first >= end
+    at = jnp.where(crossed, first - end, first)
+    if order is None or next_order is None:
+        return [lax.dynamic_slice_in_dim(array, at, count) for array in arrays]
+    rows = jnp.where(
+        crossed,
+        lax.dynamic_slice_in_dim(next_order, at, count),
+        lax.dynamic_slice_in_dim(order, at, count),
+    )
+    return [jnp.take(array, rows, axis=0, mode="clip") for array in arrays]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceChunk:
+    """Where `count` steps' batches of `size` examples lie on the devices, not yet gathered.
+
+    They start at epoch position `start` of the epoch whose permutation is `order`;
+    positions from `end` (that epoch's end) on continue the next epoch, whose permutation
+    is `next_order`. A chunk spans at most these two epochs. The Trainer compiles the
+    gather into its fused steps (`gathering_steps`).
+    """
+
+    source: DeviceArrays
+    count: int
+    size: int
+    start: int
+    end: int
+    order: jax.Array | None
+    next_order: jax.Array | None
+
+    def arguments(self) -> tuple:
+        """The compiled program's arguments after the state (see `gathering_steps`)."""
+        return (
+            self.source.inputs,
+            self.source.labels,
+            self.order,
+            self.next_order,
+            np.int32(self.start),
+            np.int32(self.end),
+        )
+
+    def shapes(self) -> tuple[list[jax.ShapeDtypeStruct], list[jax.ShapeDtypeStruct]]:
+        """The shapes and dtypes of the gathered batches, `(count, size, ...)`."""
+
+        def stacked(array: jax.Array) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((self.count, self.size, *array.shape[1:]), array.dtype)
+
+        return [stacked(a) for a in self.source.inputs], [stacked(a) for a in self.source.labels]
+
+    def first_batch(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The first step's batch, gathered now (to create or check the model's state)."""
+        return self.source.gather(self.start, 1, self.size, stacked=False, order=self.order)
+
+    def part(self, offset: int, count: int) -> DeviceChunk:
+        """The `count` steps from step `offset` of this chunk."""
+        start = self.start + offset * self.size
+        if start >= self.end:  # all in the next epoch
+            return dataclasses.replace(
+                self, count=count, start=start - self.end, order=self.next_order
+            )
+        return dataclasses.replace(self, count=count, start=start)
+
+
+def gathering_steps(
+    scan_steps: Callable[..., Any], count: int, size: int, num_devices: int
+) -> Callable[..., Any]:
+    """A per-device program of `count` fused steps that takes each step's shard itself.
+
+    `scan_steps(state, xs, batch_of)` runs a step on `batch_of(x)` per `x` of `xs`
+    (`StepBuilder.scan_steps`); here each step slices (or, shuffled, gathers) this
+    device's `size // num_devices` examples of its batch from the arrays on the device,
+    inside the scan, as a hand-written scan indexes its stacked batches. The result takes
+    `(state, *DeviceChunk.arguments())`, all replicated.
+    """
+    local = size // num_devices
+
+    def program(state, inputs, labels, order, next_order, start, end):
+        device = lax.axis_index(AXIS)
+
+        def batch_of(step: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+            first = start + step * size + device * local
+            rows = rows_of([*inputs, *labels], order, next_order, first, end, local)
+            return rows[: len(inputs)], rows[len(inputs) :]
+
+        return scan_steps(state, jnp.arange(count, dtype=jnp.int32), batch_of)
+
+    return program
+
+
+def gathering(run: Callable[..., Any], count: int, size: int) -> Callable[..., Any]:
+    """`run(state, inputs, labels)` (fused steps) with its batches gathered first.
+
+    For strategies whose per-device program cannot take the arrays replicated (pmap):
+    the `count` batches are gathered into one stacked array, then run. The result takes
+    `(state, *DeviceChunk.arguments())`.
+    """
+
+    def program(state, inputs, labels, order, next_order, start, end):
+        def batch(step: jax.Array) -> list[jax.Array]:
+            first = start + step * size
+            return rows_of([*inputs, *labels], order, next_order, first, end, size)
+
+        rows = lax.map(batch, jnp.arange(count, dtype=jnp.int32))
+        return run(state, rows[: len(inputs)], rows[len(inputs) :])
+
+    return program

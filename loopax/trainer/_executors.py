@@ -83,11 +83,13 @@ class ExecutorCache:
         inputs: list,
         labels: list,
         build: Callable[[str, Any, list, list, int], Executor],
+        extra_key: Hashable = None,
     ) -> Executor:
         """The compiled step for this batch: cached, or built after the batch is validated.
 
         Built by `build(graph, spec, inputs, labels, batch size)`, once the batch passes
-        `validate_batch`.
+        `validate_batch`. `extra_key` is what else the program depends on (e.g. the
+        arrays a program gathers its batches from).
 
         The fast path: JAX arrays carry their abstract value (shape, dtype, weak type,
         sharding), cheap to read and hash. Keying on shapes and dtypes costs ~3 µs a step,
@@ -110,6 +112,7 @@ class ExecutorCache:
             key_spec,
             signature(inputs, "inputs", spec),
             signature(labels, "labels", spec),
+            extra_key,
         )
         executor = self.get(key)
         if executor is None:

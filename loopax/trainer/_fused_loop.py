@@ -73,7 +73,7 @@ class FusedRuns:
         dataset ends; OnStep hooks run once, at its last step.
         """
         trainer = self.trainer
-        read = group_reader(dataset, trainer.accumulate_steps)
+        read = group_reader(dataset, trainer)
         push = self._in_flight.push
         clock = time.perf_counter
         most = self.steps_per_execution
@@ -92,7 +92,10 @@ class FusedRuns:
                 parts = []
                 step = first
                 for count, spec, inputs, labels in chunks:
-                    if count == 1:
+                    if labels is None:  # a DeviceChunk: gathered in the program
+                        stacked, metrics = trainer._train_gathered(spec, inputs)
+                        parts.append((step, count, stacked, metrics))
+                    elif count == 1:
                         metrics = trainer.train_step(spec, inputs, labels)
                         parts.append((step, 1, None, metrics))
                     else:

@@ -5,7 +5,9 @@ group's length is set by the loop (it ends at the next step a scheduled hook fir
 group is read here, split where the batches change spec or shape (they cannot be stacked),
 and each run of equal batches into power-of-two chunks: each chunk is one compiled call
 (`Trainer.train_steps`, or `train_step` for a chunk of one), so a spec and shape compile at
-most log2(K) + 1 programs.
+most log2(K) + 1 programs. An on-device `ArrayDataset` on the Trainer's devices gathers
+nothing here: its chunks say where their batches lie (`DeviceChunk`) and the Trainer's
+program gathers them.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 import numpy as np
 
 from ._datasets import Batch, as_list, bad_batch_error, join_arrays, micro_batch_reader
+from ._device_data import DeviceArrays
 
 # (step count, spec, inputs, labels): one compiled call's batches; stacked on a leading
-# steps axis when the count is above one.
-Chunk = tuple[int, Any, list[Any], list[Any]]
+# steps axis when the count is above one. Or (step count, spec, DeviceChunk, None): the
+# batches left on the devices, for `Trainer._train_gathered`.
+Chunk = tuple[int, Any, Any, Any]
 
 
 def power_of_two_at_most(n: int) -> int:
@@ -133,16 +137,41 @@ def _read_stacked(
     return chunks, ended
 
 
-def group_reader(dataset: Any, accumulate_steps: int) -> Callable[[int], tuple[list[Chunk], bool]]:
+def _read_on_device(spec: Any, device_steps: Callable[[int], Any], n: int) -> tuple[list, bool]:
+    """A group of an on-device `ArrayDataset`, as power-of-two chunks of `DeviceChunk`s."""
+    runs, ended = device_steps(n)
+    if len(runs) == 1 and runs[0].count == n:  # the common case: one chunk
+        return [(n, spec, runs[0], None)], ended
+    chunks: list[Chunk] = []
+    for run in runs:
+        offset = 0
+        while offset < run.count:
+            count = power_of_two_at_most(run.count - offset)
+            chunks.append((count, spec, run.part(offset, count), None))
+            offset += count
+    return chunks, ended
+
+
+def group_reader(dataset: Any, trainer: Any) -> Callable[[int], tuple[list[Chunk], bool]]:
     """`read(n) -> (chunks, ended)`: up to n steps' batches of `dataset`, as chunks.
 
-    A step's batch is one `yield_batch()`, or `accumulate_steps` of them stacked. `ended`
-    says the dataset ended before n steps were read (the chunks hold what was read).
+    A step's batch is one `yield_batch()`, or `trainer.accumulate_steps` of them stacked.
+    `ended` says the dataset ended before n steps were read (the chunks hold what was
+    read).
 
     Raises:
       StopIteration: the dataset has no batch left.
       ValueError: a batch is not `(spec, inputs, labels)`.
     """
+    accumulate_steps = trainer.accumulate_steps
+    source = getattr(dataset, "_device", None)
+    if (
+        accumulate_steps == 1
+        and isinstance(source, DeviceArrays)
+        and trainer.gathers_on(source.devices)
+    ):
+        spec, device_steps = dataset.spec, dataset._device_steps
+        return lambda n: _read_on_device(spec, device_steps, n)
     read_step = (
         dataset.yield_batch
         if accumulate_steps == 1

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import numpy as np
 
 from ._datasets import Batch, Dataset, as_list
+from ._device_data import check_trainer_devices
 
 if TYPE_CHECKING:
     import jax
@@ -358,15 +359,18 @@ class RunIterable:
     def __init__(self) -> None:
         self._last: tuple[Any, Dataset] | None = None
 
-    def dataset(self, data: Any) -> Dataset:
-        """`data` as a `Dataset`: itself, or an `IterableDataset` named "train".
+    def dataset(self, data: Any, trainer: Any) -> Dataset:
+        """`data` as a `Dataset` for `trainer`: itself, or an `IterableDataset` "train".
 
         For the same object, the last run's `IterableDataset`.
 
         Raises:
           TypeError: `data` is neither a `Dataset` nor an iterable of batches.
+          ValueError: `data` is an on-device `ArrayDataset` on other devices than
+            `trainer`'s.
         """
         if is_dataset(data):
+            check_trainer_devices(data, trainer)
             return data
         if self._last is None or self._last[0] is not data:
             self._last = (data, as_dataset(data, "train"))

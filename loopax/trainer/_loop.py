@@ -414,7 +414,7 @@ class Loop(FusedRuns, MetricsAccess):
           NonFiniteLossError: the loss became NaN or infinite.
         """
         steps = self._check_count("steps", steps)
-        dataset = self._iterable.dataset(dataset)
+        dataset = self._iterable.dataset(dataset, self.trainer)
         if steps == 0:
             return {}
         if self._hooks["OnEpochEnd"] and not self._warned_epoch_hooks:
@@ -473,7 +473,7 @@ class Loop(FusedRuns, MetricsAccess):
           HookError, NonFiniteLossError: as `run_steps`.
         """
         epochs = self._check_count("epochs", epochs)
-        dataset = self._iterable.dataset(dataset)
+        dataset = self._iterable.dataset(dataset, self.trainer)
         check_restartable(dataset, "run_epochs")
         with self._run(dataset, -1):
             while self.epoch < epochs and not self._stop_requested:

@@ -43,6 +43,9 @@ class Strategy:
 
     name = "shard_map"
     multi_process = False
+    # Whether a per-device program can take replicated arrays and slice its own shard of
+    # each fused step's batch from them (on-device data; pmap's state has a device axis).
+    slices_in_scan = True
 
     def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
@@ -159,6 +162,7 @@ class Pmap(Strategy):
     """Literal `jax.pmap` over this process's devices: state keeps a leading device axis."""
 
     name = "pmap"
+    slices_in_scan = False
 
     def __init__(self, devices: Sequence[Device]):
         if any(d.process_index != jax.process_index() for d in devices):

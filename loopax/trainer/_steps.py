@@ -322,12 +322,19 @@ class StepBuilder:
         every step (a leading steps axis), those of the last step, and the host metrics'
         step values of all the steps folded into one.
         """
+        return self.scan_steps(spec, rng, state, (list(inputs), list(labels)), lambda xs: xs)
+
+    def scan_steps(self, spec, rng, state: TrainState, xs: Any, batch_of: Callable) -> tuple:
+        """Per-device: `train` on `batch_of(x) -> (inputs, labels)` for each step's `x` of `xs`.
+
+        One `lax.scan` over the leading axis of `xs`; returns as `train_steps`.
+        """
         host_count = len(self.config.host_train.metrics)
 
-        def one_step(state, batch):
-            return self.train(spec, rng, state, *batch)
+        def one_step(state, x):
+            return self.train(spec, rng, state, *batch_of(x))
 
-        state, values = jax.lax.scan(one_step, state, (list(inputs), list(labels)))
+        state, values = jax.lax.scan(one_step, state, xs)
         split = len(values) - host_count
         stacked = tuple(values[:split])
         last = tuple(v[-1] for v in stacked)

@@ -16,6 +16,7 @@ import optax
 from ._batches import split_uneven_batch
 from ._context import ModelFn
 from ._datasets import as_list
+from ._device_data import DeviceChunk, gathering, gathering_steps
 from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._host_metrics import split_host_metrics
@@ -162,7 +163,11 @@ class Trainer(StateAccess, EvalSteps, Predict):
         self._step_metric_names = self._metric_names_of(config)
         self.eval_metric_names = (*RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
         micro: tuple[str, ...] = ("micro-batches",) if config.accumulate else ()
-        self._leading_axes = {"train": micro, "train_steps": ("steps", *micro)}
+        self._leading_axes = {
+            "train": micro,
+            "train_steps": ("steps", *micro),
+            "train_steps_gathered": ("steps",),
+        }
         self._cache = ExecutorCache(
             max_executors,
             self._strategy.local_devices,
@@ -330,28 +335,51 @@ class Trainer(StateAccess, EvalSteps, Predict):
 
     # -- compilation ----------------------------------------------------------------------
 
-    def _compile(self, graph: str, spec: Any, inputs: list, labels: list, batch: int) -> Executor:
+    def _compile(
+        self,
+        graph: str,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        batch: int,
+        chunk: DeviceChunk | None = None,
+    ) -> Executor:
         """Compiles the `graph` step for this (validated) batch of `batch` examples.
 
-        Creates the state first if there is none.
+        Creates the state first if there is none. For `"train_steps_gathered"` the batch
+        is abstract: the program gathers it from `chunk`'s arrays on the devices.
         """
         strategy, steps = self._strategy, self._steps
         local = strategy.local_devices
         # Only an eval batch gets here undivided; its step takes it in pieces that divide.
         pieces = split_uneven_batch(inputs, labels, local) if batch % local else None
         leading = len(self._leading_axes.get(graph, ()))  # axes in front of the batch axis
-        model_inputs = inputs if pieces is None else pieces[0]
-        model_inputs = [a[(0,) * leading] for a in model_inputs]  # one step's (micro-)batch
-        if self._state is None:
-            self._initialize(spec, model_inputs)
-        elif self._unverified_source is not None:
-            self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
+        if self._state is None or self._unverified_source is not None:
+            if chunk is not None:
+                model_inputs = chunk.first_batch()[0]
+            else:  # one step's (micro-)batch
+                model_inputs = [a[(0,) * leading] for a in (pieces[0] if pieces else inputs)]
+            if self._state is None:
+                self._initialize(spec, model_inputs)
+            else:
+                self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
         started = time.perf_counter()
-        if graph in ("train", "train_steps"):
+        if graph.startswith("train"):
             body = steps.train if graph == "train" else steps.train_steps
             body = functools.partial(body, spec, self._rng)
             run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
-            args = (self._state, *(strategy.global_batch(b, leading) for b in (inputs, labels)))
+            if chunk is not None:  # the batches taken from the devices' arrays in the program
+                count, size = chunk.count, chunk.size
+                if strategy.slices_in_scan:
+                    scan = functools.partial(steps.scan_steps, spec, self._rng)
+                    body = gathering_steps(scan, count, size, strategy.num_devices)
+                    run = strategy.wrap(body, 7, 0, donate=(0,))
+                else:
+                    run = jax.jit(gathering(run, count, size), donate_argnums=0)
+                args = (self._state, *chunk.arguments())
+            else:
+                batches = (strategy.global_batch(b, leading) for b in (inputs, labels))
+                args = (self._state, *batches)
         elif graph == "predict":
             body = functools.partial(steps.predict, spec, self._rng)
             run = strategy.wrap(body, 1, 1, donate=(), per_example_output=True)
@@ -367,7 +395,7 @@ class Trainer(StateAccess, EvalSteps, Predict):
             args = (self._state, self._fresh_eval_states(), *self._globalize(pieces))
         compiled = run.lower(*args).compile()
         info = ExecInfo(
-            graph_type=graph,
+            graph_type="train_steps" if chunk is not None else graph,
             spec=spec,
             input_shapes=tuple(tuple(a.shape) for a in inputs),
             input_dtypes=tuple(str(a.dtype) for a in inputs),
@@ -439,7 +467,45 @@ class Trainer(StateAccess, EvalSteps, Predict):
         Raises:
           As `train_step`, and ValueError for arrays without a common leading steps axis.
         """
-        stacked, last, host_values = self._run_train("train_steps", spec, inputs, labels)
+        return self._fused_results(self._run_train("train_steps", spec, inputs, labels))
+
+    def _train_gathered(
+        self, spec: Any, chunk: DeviceChunk
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`train_steps` on `chunk`'s batches, which the compiled program gathers itself.
+
+        Only for a single-process trainer on the devices holding `chunk`'s arrays (see
+        `gathers_on`).
+        """
+        key = ("train_steps_gathered", spec, chunk.count, chunk.size, chunk.order is None)
+        fast_key = (*key, chunk.source.key)
+        cache = self._cache
+        executor = cache.get_fast(fast_key)
+        if executor is None:
+            inputs, labels = chunk.shapes()
+            executor = cache.executor(
+                "train_steps_gathered",
+                spec,
+                inputs,
+                labels,
+                functools.partial(self._compile, chunk=chunk),
+                extra_key=fast_key,
+            )
+            cache.remember(fast_key, executor)
+        self._state, values = executor.run(self._state, *chunk.arguments())
+        return self._fused_results(values)
+
+    def gathers_on(self, devices: list[Device]) -> bool:
+        """Whether the fused steps can gather batches from arrays replicated on `devices`.
+
+        True when they are this single-process trainer's devices, in its order.
+        """
+        strategy = self._strategy
+        return not strategy.multi_process and list(devices) == list(strategy.devices)
+
+    def _fused_results(self, values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`train_steps`'s `(stacked, last)` dicts from its program's values."""
+        stacked, last, host_values = values
         self._global_step += int(np.shape(stacked[0])[0])
         names = self._step_metric_names
         host_train = self._steps.config.host_train

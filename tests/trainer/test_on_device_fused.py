@@ -1,0 +1,251 @@
+"""Fused steps on an on-device `ArrayDataset`: the Trainer's program gathers the batches.
+
+With `Loop(trainer, steps_per_execution=K)` and `ArrayDataset(..., on_device=True)` on the
+Trainer's devices, a group of steps is one dispatch: the loop hands the Trainer where the
+batches lie (`DeviceChunk`) and the compiled steps gather them from the epoch's permutation,
+across an epoch's end too. Everything must equal single steps on the host dataset.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loopax
+from loopax.testing import count_compilations
+from loopax.trainer import _device_data
+
+EXAMPLES = 52
+
+
+def model_fn(ctx, spec, inputs):
+    return nn.Dense(1)(jnp.concatenate(inputs, axis=-1))
+
+
+def dataset(on_device, devices, *, batch_size=8, **kwargs):
+    rng = np.random.default_rng(0)
+    inputs = rng.normal(size=(EXAMPLES, 3)).astype(np.float32)
+    labels = inputs @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    kwargs.setdefault("loop_forever", True)
+    return loopax.ArrayDataset(
+        [inputs, inputs[:, :1] ** 2],
+        labels,
+        batch_size,
+        seed=3,
+        on_device=on_device,
+        devices=devices if on_device else None,
+        **kwargs,
+    )
+
+
+def new_trainer(devices, parallel="shard_map"):
+    return loopax.Trainer(
+        model_fn,
+        loopax.losses.mean_squared_error,
+        optax.adam(0.01),
+        devices=devices,
+        parallel=parallel,
+    )
+
+
+def run(on_device, k, devices, steps=45, epochs=None, parallel="shard_map", **kwargs):
+    trainer = new_trainer(devices, parallel)
+    loop = loopax.Loop(trainer, steps_per_execution=k)
+    fired = []
+    loopax.hooks.every_n_steps(loop, 7, "every 7", lambda loop, m: fired.append(loop.loop_step))
+    losses = []
+    loop.on_step("losses", lambda loop, m: losses.extend(np.asarray(loop.group_metrics["loss"])))
+    data = dataset(on_device, devices, **kwargs)
+    if epochs is None:
+        metrics = loop.run_steps(data, steps)
+    else:
+        metrics = loop.run_epochs(data, epochs)
+    return {
+        "params": jax.device_get(trainer.params),
+        "loss": float(metrics["loss"]),
+        "losses": np.asarray(losses),
+        "state": data.get_state(),
+        "fired": fired,
+        "global_step": trainer.global_step,
+    }
+
+
+def assert_same(actual, expected):
+    jax.tree.map(np.testing.assert_array_equal, actual["params"], expected["params"])
+    assert actual["loss"] == expected["loss"]
+    np.testing.assert_array_equal(actual["losses"], expected["losses"])
+    assert actual["state"] == expected["state"]
+    assert actual["fired"] == expected["fired"]
+    assert actual["global_step"] == expected["global_step"]
+
+
+@pytest.mark.parametrize("k", [4, 32])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"shuffle": True},
+        {"shuffle": False},
+        {"shuffle": True, "drop_remainder": False},  # a short last batch every epoch
+        {"shuffle": True, "batch_size": 4},  # 13 batches an epoch, odd
+        {"shuffle": True, "batch_size": 24},  # 2 batches an epoch: a group spans many
+    ],
+    ids=["shuffled", "in-order", "short-last-batch", "13-batch-epochs", "2-batch-epochs"],
+)
+def test_fused_on_device_equals_single_steps_on_the_host(k, options):
+    devices = jax.devices()[:1]
+    actual = run(True, k, devices, **options)
+    # Each step slices its batch inside the scan: bit for bit single steps on CPU.
+    assert_same(actual, run(False, 1, devices, **options))
+    # Fused steps on host batches (stacked before the scan) may round differently: this
+    # model at batch 4 differs by ~3e-8 (see README); the same steps, hooks and positions.
+    assert_close(actual, run(False, k, devices, **options))
+
+
+def assert_close(actual, expected):
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        actual["params"],
+        expected["params"],
+    )
+    np.testing.assert_allclose(actual["losses"], expected["losses"], rtol=1e-5, atol=1e-7)
+    assert actual["state"] == expected["state"]
+    assert actual["fired"] == expected["fired"]
+    assert actual["global_step"] == expected["global_step"]
+
+
+@pytest.mark.parametrize("parallel", ["shard_map", "pmap"])
+def test_four_devices(parallel):
+    devices = jax.devices()[:4]
+    expected = run(False, 1, devices, parallel=parallel)
+    actual = run(True, 8, devices, parallel=parallel)
+    assert_same(actual, run(False, 8, devices, parallel=parallel))
+    assert_close(actual, expected)  # pmap's scan differs by rounding (see README)
+
+
+def test_run_epochs_on_data_that_ends():
+    devices = jax.devices()[:1]
+    options = {"loop_forever": False, "drop_remainder": False}
+    expected = run(False, 1, devices, epochs=3, **options)
+    assert_same(run(True, 32, devices, epochs=3, **options), expected)
+
+
+def test_a_group_is_one_dispatch_with_no_separate_gather(monkeypatch):
+    devices = jax.devices()[:1]
+    trainer = new_trainer(devices)
+    loop = loopax.Loop(trainer, steps_per_execution=8)
+    data = dataset(True, devices)
+    loop.run_steps(data, 16)  # creates the state (from one gathered batch) and compiles
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("a batch was gathered outside the compiled steps")
+
+    monkeypatch.setattr(_device_data.DeviceArrays, "gather", no_gather)
+    dispatches = []
+    original = trainer._train_gathered
+    monkeypatch.setattr(
+        trainer, "_train_gathered", lambda *a: dispatches.append(a[1].count) or original(*a)
+    )
+    with count_compilations() as compiled:
+        loop.run_steps(data, 64)  # 52 examples, 6 batches an epoch: groups cross epochs
+    assert dispatches == [8] * 8
+    assert compiled.count == 0
+
+
+@pytest.mark.parametrize("k", [8, 32])
+def test_at_most_log2_k_plus_one_executables(k):
+    devices = jax.devices()[:1]
+    trainer = new_trainer(devices)
+    infos = []
+    trainer.on_exec_creation(infos.append)
+    loop = loopax.Loop(trainer, steps_per_execution=k)
+    loopax.hooks.every_n_steps(loop, 5, "every 5", lambda loop, m: None)
+    loop.run_steps(dataset(True, devices, batch_size=4), 200)
+    train = [info for info in infos if info.graph_type.startswith("train")]
+    assert {info.graph_type for info in train} == {"train_steps"}
+    counts = sorted({info.input_shapes[0][0] for info in train})
+    assert len(train) == len(counts) <= int(math.log2(k)) + 1
+    assert all(count & (count - 1) == 0 and count <= k for count in counts)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize(("held", "used"), [(4, 1), (1, 4)])
+def test_data_on_other_devices_is_refused_before_any_step(k, held, used):
+    trainer = new_trainer(jax.devices()[:used])
+    loop = loopax.Loop(trainer, steps_per_execution=k)
+    data = dataset(True, jax.devices()[:held])
+    with pytest.raises(ValueError, match=r"holds its arrays on devices .* devices=trainer.devices"):
+        loop.run_steps(data, 5)
+    with pytest.raises(ValueError, match=r"holds its arrays on devices"):
+        loop.run_epochs(data, 1)
+    assert trainer.global_step == 0 and data.get_state()["position"] == 0
+    # The trainer's own devices work, and evaluation takes data from any devices.
+    loop.run_steps(dataset(True, jax.devices()[:used]), 5)
+    assert trainer.global_step == 5
+    assert np.isfinite(
+        trainer.evaluate(
+            dataset(True, jax.devices()[:held], loop_forever=False, drop_remainder=False)
+        )["mean_loss"]
+    )
+
+
+def test_device_steps_cover_the_batches_of_yield_batch():
+    devices = jax.devices()[:1]
+    for options in ({}, {"batch_size": 24}, {"drop_remainder": False}, {"shuffle": False}):
+        host = dataset(False, devices, **options)
+        data = dataset(True, devices, **options)
+        for count in (1, 3, 8, 13, 32):
+            expected = [host.yield_batch() for _ in range(count)]
+            chunks, ended = data._device_steps(count)
+            assert not ended
+            assert sum(chunk.count for chunk in chunks) == count
+            batches = []
+            for chunk in chunks:
+                arrays = [*chunk.source.inputs, *chunk.source.labels]
+                for step in range(chunk.count):
+                    rows = _device_data.rows_of(
+                        arrays,
+                        chunk.order,
+                        chunk.next_order,
+                        np.int32(chunk.start + step * chunk.size),
+                        np.int32(chunk.end),
+                        chunk.size,
+                    )
+                    split = len(chunk.source.inputs)
+                    batches.append((rows[:split], rows[split:]))
+            for (_, inputs, labels), got in zip(expected, batches, strict=True):
+                for want, array in zip(inputs + labels, got[0] + got[1], strict=True):
+                    np.testing.assert_array_equal(np.asarray(array), want)
+            assert data.get_state() == host.get_state()
+
+
+def test_device_steps_at_the_end_of_data_that_does_not_loop():
+    data = dataset(True, jax.devices()[:1], loop_forever=False)  # 6 batches
+    chunks, ended = data._device_steps(4)
+    assert [c.count for c in chunks] == [4] and not ended
+    chunks, ended = data._device_steps(4)
+    assert [c.count for c in chunks] == [2] and ended
+    with pytest.raises(StopIteration):
+        data._device_steps(4)
+
+
+def test_resume_from_a_checkpoint_continues_identically(tmp_path):
+    devices = jax.devices()[:1]
+    expected = run(False, 1, devices, steps=40)
+
+    def resumed(steps):
+        trainer = new_trainer(devices)
+        loop = loopax.Loop(trainer, steps_per_execution=32)
+        loopax.hooks.checkpoint(loop, str(tmp_path / "ckpt"), every_n_steps=10)
+        data = dataset(True, devices)
+        loop.run_steps(data, steps)
+        return trainer, data
+
+    resumed(25)  # saves at 10, 20 and the end (25)
+    trainer, data = resumed(15)  # restores at 25, runs to 40
+    assert trainer.global_step == 40
+    assert data.get_state() == expected["state"]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), expected["params"])
