@@ -35,10 +35,11 @@ from ._trainer_args import (
     check_callables,
     check_metrics,
 )
+from ._trainer_fused import FusedSteps
 from ._trainer_state import StateAccess
 
 
-class Trainer(StateAccess, EvalSteps, Predict):
+class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
     """Trains a model with an optax optimizer, one compiled step per batch kind.
 
     The model is one of:
@@ -448,76 +449,6 @@ class Trainer(StateAccess, EvalSteps, Predict):
         if host_train:  # host metrics: their step values wait, unread
             return host_train.results(self._step_metric_names, values)
         return dict(zip(self._step_metric_names, values, strict=True))
-
-    def train_steps(
-        self, spec: Any, inputs: Any, labels: Any
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Runs n optimizer steps in one compiled program (`lax.scan`); n is the inputs' first axis.
-
-        Each input and label is n batches stacked, shape `(n, batch, ...)` (with
-        `accumulate_steps` > 1, `(n, micro-batches, batch, ...)`); the result equals n calls
-        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it. Compiled once per
-        n, spec and shape.
-
-        Returns:
-          `(stacked, last)`: every train metric with a leading axis of the n steps, and the
-          last step's metrics as `train_step` returns them. A host metric's entry is the
-          same in both: its value after the n steps.
-
-        Raises:
-          As `train_step`, and ValueError for arrays without a common leading steps axis.
-        """
-        return self._fused_results(self._run_train("train_steps", spec, inputs, labels))
-
-    def _train_gathered(
-        self, spec: Any, chunk: DeviceChunk
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`train_steps` on `chunk`'s batches, which the compiled program gathers itself.
-
-        Only for a single-process trainer on the devices holding `chunk`'s arrays (see
-        `gathers_on`).
-        """
-        key = ("train_steps_gathered", spec, chunk.count, chunk.size, chunk.order is None)
-        fast_key = (*key, chunk.source.key)
-        cache = self._cache
-        executor = cache.get_fast(fast_key)
-        if executor is None:
-            inputs, labels = chunk.shapes()
-            executor = cache.executor(
-                "train_steps_gathered",
-                spec,
-                inputs,
-                labels,
-                functools.partial(self._compile, chunk=chunk),
-                extra_key=fast_key,
-            )
-            cache.remember(fast_key, executor)
-        self._state, values = executor.run(self._state, *chunk.arguments())
-        return self._fused_results(values)
-
-    def gathers_on(self, devices: list[Device]) -> bool:
-        """Whether the fused steps can gather batches from arrays replicated on `devices`.
-
-        True when they are this single-process trainer's devices, in its order.
-        """
-        strategy = self._strategy
-        return not strategy.multi_process and list(devices) == list(strategy.devices)
-
-    def _fused_results(self, values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`train_steps`'s `(stacked, last)` dicts from its program's values."""
-        stacked, last, host_values = values
-        self._global_step += int(np.shape(stacked[0])[0])
-        names = self._step_metric_names
-        host_train = self._steps.config.host_train
-        if not host_train:
-            return dict(zip(names, stacked, strict=True)), dict(zip(names, last, strict=True))
-        last_metrics = host_train.results(names, (*last, *host_values))
-        compiled = iter(stacked)
-        stacked_metrics = {
-            name: last_metrics[name] if name in host_train.names else next(compiled)
-            for name in names
-        }
-        return stacked_metrics, last_metrics
 
     def __repr__(self) -> str:
         return (

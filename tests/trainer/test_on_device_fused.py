@@ -118,12 +118,17 @@ def assert_close(actual, expected):
 
 
 @pytest.mark.parametrize("parallel", ["shard_map", "pmap"])
-def test_four_devices(parallel):
+@pytest.mark.parametrize("batch_size", [8, 24])  # 24: 2 batches an epoch, groups span epochs
+def test_four_devices(parallel, batch_size):
     devices = jax.devices()[:4]
-    expected = run(False, 1, devices, parallel=parallel)
-    actual = run(True, 8, devices, parallel=parallel)
-    assert_same(actual, run(False, 8, devices, parallel=parallel))
-    assert_close(actual, expected)  # pmap's scan differs by rounding (see README)
+    expected = run(False, 1, devices, parallel=parallel, batch_size=batch_size)
+    for k in (8, 32):
+        actual = run(True, k, devices, parallel=parallel, batch_size=batch_size)
+        if parallel == "shard_map":  # each device slices its own shard of each step's batch
+            assert_same(actual, expected)
+        else:  # pmap gathers the group first, then runs the host path's program
+            assert_same(actual, run(False, k, devices, parallel=parallel, batch_size=batch_size))
+            assert_close(actual, expected)
 
 
 def test_run_epochs_on_data_that_ends():
