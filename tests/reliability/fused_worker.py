@@ -1,6 +1,7 @@
 """Trains the reliability dropout classifier with fused steps; test_fused_kill runs it.
 
     python fused_worker.py RUN_DIR TARGET_STEP STEPS_PER_EXECUTION [--kill POINT:STEP]
+                           [--on-device]
 
 Attached: `hooks.checkpoint` (every 48 steps, keep=2) and `hooks.metrics_log` (CSV, every
 40 steps) under RUN_DIR, so groups of up to 32 steps run between them. It runs
@@ -13,6 +14,11 @@ Rerun in the same RUN_DIR (with any K), it resumes.
   group-end:S  after the hooks of the first group that ends at or past global step S
   mid-group:S  while the batches of a group are read, at the batch of global step S + 1
                (the group's earlier batches read, none of it run)
+
+With `--on-device` the train data is the same `ArrayDataset` with `on_device=True`: the
+fused steps take their batches from the device arrays themselves, and `mid-group:S` kills
+once the loop has moved the dataset past a group that reaches beyond step S, before the
+group runs.
 """
 
 import argparse
@@ -54,10 +60,22 @@ def main():
     parser.add_argument("target", type=int)
     parser.add_argument("steps_per_execution", type=int)
     parser.add_argument("--kill", default=None, help="POINT:STEP, see the module docstring")
+    parser.add_argument("--on-device", action="store_true", help="on-device train data")
     args = parser.parse_args()
     run_dir = args.run_dir
 
     train, _ = make_datasets()
+    if args.on_device:
+        train = loopax.ArrayDataset(
+            train.inputs,
+            train.labels,
+            batch_size=train.batch_size,
+            name=train.name,
+            loop_forever=True,
+            seed=train.seed,
+            on_device=True,
+            devices=jax.devices()[:1],
+        )
     trainer = make_trainer()
     loop = loopax.Loop(trainer, steps_per_execution=args.steps_per_execution)
     checkpointer = hooks.checkpoint(loop, run_dir / "ckpt", every_n_steps=EVERY_CHECKPOINT, keep=2)
@@ -74,6 +92,16 @@ def main():
                 lambda lp, m: trainer.global_step >= step and kill_self(),
                 loopax.Priority.UI + 1,
             )
+        elif point == "mid-group" and args.on_device:
+            device_steps = train._device_steps
+
+            def read_group(count):
+                chunks = device_steps(count)
+                if trainer.global_step + count > step + 1:
+                    kill_self()  # the dataset has moved past the group; none of it ran
+                return chunks
+
+            train._device_steps = read_group
         elif point == "mid-group":
             original = train.yield_batch
             read = []

@@ -33,16 +33,35 @@ SCENARIOS = {
         [(32, "mid-group:20"), (1, "group-end:60"), (32, None)],
         {None, 48},
     ),
+    # On-device data: the fused steps take their batches from the device arrays.
+    "on-device data, at a group end, resumed with K=32": (
+        [(32, "group-end:100 on-device"), (32, "on-device")],
+        {48, 96},
+    ),
+    "on-device data, while reading a group, resumed with K=1 then K=32": (
+        [(32, "mid-group:70 on-device"), (1, "group-end:90 on-device"), (32, "on-device")],
+        {None, 48},
+    ),
 }
 REFERENCE = "reference: single steps"
 
 
+def kill_and_data(options):
+    """A run's `--kill` (or None) and whether it reads on-device data, from its options."""
+    words = (options or "").split()
+    kills = [word for word in words if word != "on-device"]
+    return (kills[0] if kills else None), "on-device" in words
+
+
 def run_sequence(run_dir, runs, env):
     results = []
-    for steps_per_execution, kill in runs:
+    for steps_per_execution, options in runs:
         command = [sys.executable, str(WORKER), str(run_dir), str(TARGET), str(steps_per_execution)]
+        kill, on_device = kill_and_data(options)
         if kill is not None:
             command += ["--kill", kill]
+        if on_device:
+            command += ["--on-device"]
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_SECONDS
         )
@@ -86,8 +105,8 @@ def outputs(run_dir):
 def test_a_killed_fused_run_resumes_to_the_uninterrupted_result(scenarios, name):
     run_dir, results = scenarios[name]
     runs, resumable = SCENARIOS[name]
-    for (kill, returncode, stdout, stderr), (_, want_kill) in zip(results, runs, strict=False):
-        assert kill == want_kill
+    for (kill, returncode, stdout, stderr), (_, options) in zip(results, runs, strict=False):
+        assert kill == kill_and_data(options)[0]
         want_code = 0 if kill is None else -signal.SIGKILL
         assert returncode == want_code, f"run {kill}: {returncode}\n{stdout}\n{stderr}"
     assert len(results) == len(runs)
