@@ -386,6 +386,17 @@ def fused_pairs(timings: Any, reference: str, section: str, keras_row: str | Non
                     target,
                 )
             )
+    # The ceiling of the Keras target: the hand-written scan (the limit of fusing, by the
+    # issue's own reckoning) against Keras. Where it is near 1.5x, so is any fused loop's.
+    if keras_row in timings.seconds and bench_fused.SCAN in timings.seconds:
+        pairs.append(
+            (
+                "hand-written lax.scan vs Keras fit, spe=32 (the ceiling)",
+                timings.ratio(bench_fused.SCAN, keras_row),
+                timings.spread(bench_fused.SCAN, keras_row),
+                None,
+            )
+        )
     return pairs
 
 

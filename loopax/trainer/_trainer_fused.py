@@ -35,7 +35,9 @@ class FusedSteps:
 
         Each input and label is n batches stacked, shape `(n, batch, ...)` (with
         `accumulate_steps` > 1, `(n, micro-batches, batch, ...)`); the result equals n calls
-        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it. Compiled once per
+        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it on batches it
+        stacks (on-device `ArrayDataset` batches go to a program of their own that slices
+        them from the devices' arrays, also reported as `"train_steps"`). Compiled once per
         n, spec and shape.
 
         Returns:
@@ -51,10 +53,11 @@ class FusedSteps:
     def _train_gathered(
         self, spec: Any, chunk: DeviceChunk
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`train_steps` on `chunk`'s batches, which the compiled program gathers itself.
+        """`train_steps` on `chunk`'s batches, which the compiled program takes itself.
 
-        Only for a single-process trainer on the devices holding `chunk`'s arrays (see
-        `gathers_on`).
+        Each step slices (shuffled: gathers) its batch from the arrays on the devices,
+        inside the scan. Only for a single-process trainer on the devices holding
+        `chunk`'s arrays (see `gathers_on`).
         """
         key = ("train_steps_gathered", spec, chunk.count, chunk.size, chunk.order is None)
         fast_key = (*key, chunk.source.key)
