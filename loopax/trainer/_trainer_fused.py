@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._batches import spec_key
+
 if TYPE_CHECKING:
     from ._device_data import DeviceChunk
     from ._executors import ExecutorCache
@@ -59,10 +61,14 @@ class FusedSteps:
         inside the scan. Only for a single-process trainer on the devices holding
         `chunk`'s arrays (see `gathers_on`).
         """
-        key = ("train_steps_gathered", spec, chunk.count, chunk.size, chunk.order is None)
-        fast_key = (*key, chunk.source.key)
+        program = (chunk.count, chunk.size, chunk.order is None, chunk.source.key)
         cache = self._cache
-        executor = cache.get_fast(fast_key)
+        try:
+            fast_key = ("train_steps_gathered", spec, *program)
+            executor = cache.get_fast(fast_key)
+        except TypeError:  # an unhashable spec
+            fast_key = ("train_steps_gathered", spec_key(spec), *program)
+            executor = cache.get_fast(fast_key)
         if executor is None:
             inputs, labels = chunk.shapes()
             executor = cache.executor(
@@ -71,7 +77,7 @@ class FusedSteps:
                 inputs,
                 labels,
                 functools.partial(self._compile, chunk=chunk),
-                extra_key=fast_key,
+                extra_key=program,
             )
             cache.remember(fast_key, executor)
         self._state, values = executor.run(self._state, *chunk.arguments())

@@ -131,6 +131,12 @@ def test_four_devices(parallel, batch_size):
             assert_close(actual, expected)
 
 
+def test_an_unhashable_spec():
+    devices = jax.devices()[:1]
+    expected = run(False, 1, devices, spec={"task": "regression"})
+    assert_same(run(True, 8, devices, spec={"task": "regression"}), expected)
+
+
 def test_run_epochs_on_data_that_ends():
     devices = jax.devices()[:1]
     options = {"loop_forever": False, "drop_remainder": False}
