@@ -1,9 +1,9 @@
 """Fused execution (issue 15): K optimizer steps per dispatch, against the loops it replaces.
 
 `loopax.Loop(trainer, steps_per_execution=K)` runs K steps as one compiled `lax.scan` (hooks
-still step-exact) and `ArrayDataset(..., on_device=True)` keeps the data on the devices and
-gathers the batches there. This module builds the candidates that `run_all.py --only fused`
-times side by side:
+still step-exact) and `ArrayDataset(..., on_device=True)` keeps the data on the devices: the
+fused scan takes each step's batch from those arrays itself. This module builds the
+candidates that `run_all.py --only fused` times side by side:
 
 - the fused Loop, K=32, with the README's hooks, reading an on-device `ArrayDataset`;
 - a hand-written `lax.scan` of K steps per dispatch (same network, optimizer and donated state

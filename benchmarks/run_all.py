@@ -48,7 +48,10 @@ Details that matter for reading the figures:
   devices; >= 0.95x the hand-written scan and >= 1.5x Keras fit(steps_per_execution=32), tiny.
 - The README's TensorBoard hook writes every 100 steps, and a fused group ends at the next
   step a scheduled hook fires at: with K=32 the groups run 32, 32, 32, 4 steps (the bare
-  fused row has no such cuts). Every-step and time-based hooks run once per group.
+  fused row has no such cuts). Every-step and time-based hooks run once per group. The
+  fused section also prints the hand-written scan against Keras: the ceiling of the Keras
+  target, since Keras's steps_per_execution is a Python loop of single-step calls on JAX
+  and runs near the per-step loop's rate.
 
 Every candidate of a comparison runs once per round, in an order that rotates from round
 to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
