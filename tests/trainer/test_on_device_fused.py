@@ -42,24 +42,27 @@ def dataset(on_device, devices, *, batch_size=8, **kwargs):
     )
 
 
-def new_trainer(devices, parallel="shard_map"):
+def new_trainer(devices, parallel="shard_map", accumulate_steps=1):
     return loopax.Trainer(
         model_fn,
         loopax.losses.mean_squared_error,
         optax.adam(0.01),
         devices=devices,
         parallel=parallel,
+        accumulate_steps=accumulate_steps,
     )
 
 
-def run(on_device, k, devices, steps=45, epochs=None, parallel="shard_map", **kwargs):
-    trainer = new_trainer(devices, parallel)
+def run(
+    on_device, k, devices, steps=45, epochs=None, parallel="shard_map", accumulate_steps=1, **kw
+):
+    trainer = new_trainer(devices, parallel, accumulate_steps)
     loop = loopax.Loop(trainer, steps_per_execution=k)
     fired = []
     loopax.hooks.every_n_steps(loop, 7, "every 7", lambda loop, m: fired.append(loop.loop_step))
     losses = []
     loop.on_step("losses", lambda loop, m: losses.extend(np.asarray(loop.group_metrics["loss"])))
-    data = dataset(on_device, devices, **kwargs)
+    data = dataset(on_device, devices, **kw)
     if epochs is None:
         metrics = loop.run_steps(data, steps)
     else:
@@ -129,6 +132,14 @@ def test_four_devices(parallel, batch_size):
         else:  # pmap gathers the group first, then runs the host path's program
             assert_same(actual, run(False, k, devices, parallel=parallel, batch_size=batch_size))
             assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_with_gradient_accumulation(num_devices):
+    # Micro-batches are stacked from gathered batches (the scan does not take them itself).
+    devices = jax.devices()[:num_devices]
+    expected = run(False, 1, devices, accumulate_steps=2)
+    assert_same(run(True, 8, devices, accumulate_steps=2), expected)
 
 
 def test_an_unhashable_spec():
