@@ -271,3 +271,24 @@ def test_resume_from_a_checkpoint_continues_identically(tmp_path):
     assert trainer.global_step == 40
     assert data.get_state() == expected["state"]
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), expected["params"])
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_a_nan_in_the_data_is_named_at_its_own_step(k):
+    devices = jax.devices()[:1]
+    data = dataset(True, devices, shuffle=False)
+    poisoned = np.asarray(data.inputs[0]).copy()
+    poisoned[42] = np.nan  # batch 5 of each 6-batch epoch: loop steps 5, 11, ...
+    data = loopax.ArrayDataset(
+        [poisoned, np.asarray(data.inputs[1])],
+        data.labels,
+        8,
+        shuffle=False,
+        loop_forever=True,
+        on_device=True,
+        devices=devices,
+    )
+    loop = loopax.Loop(new_trainer(devices), steps_per_execution=k)
+    with pytest.raises(loopax.NonFiniteLossError) as raised:
+        loop.run_steps(data, 40)
+    assert raised.value.step == 5
