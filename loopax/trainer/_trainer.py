@@ -368,19 +368,20 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         if graph.startswith("train"):
             body = steps.train if graph == "train" else steps.train_steps
             body = functools.partial(body, spec, self._rng)
-            run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
-            if chunk is not None:  # the batches taken from the devices' arrays in the program
+            if chunk is None:
+                run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
+                batches = (strategy.global_batch(b, leading) for b in (inputs, labels))
+                args = (self._state, *batches)
+            else:  # the batches taken from the devices' arrays inside the program
                 count, size = chunk.count, chunk.size
-                if strategy.slices_in_scan:
+                if strategy.slices_in_scan:  # each step slices its own batch in the scan
                     scan = functools.partial(steps.scan_steps, spec, self._rng)
                     body = gathering_steps(scan, count, size, strategy.num_devices)
                     run = strategy.wrap(body, 7, 0, donate=(0,))
-                else:
+                else:  # pmap: the group gathered first, then the stacked steps
+                    run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
                     run = jax.jit(gathering(run, count, size), donate_argnums=0)
                 args = (self._state, *chunk.arguments())
-            else:
-                batches = (strategy.global_batch(b, leading) for b in (inputs, labels))
-                args = (self._state, *batches)
         elif graph == "predict":
             body = functools.partial(steps.predict, spec, self._rng)
             run = strategy.wrap(body, 1, 1, donate=(), per_example_output=True)
