@@ -1,0 +1,50 @@
+"""A checkpoint written by loopax's format version 1 (commit 33666b0, before the train metric
+states were keyed by name) restores and continues exactly as the uninterrupted run did then,
+and as it does now. See `v1_fixture.py` for the run behind it."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+from v1_fixture import END_STEP, FIXTURE, SAVED_STEP, run, summary
+
+
+def as_lists(history):
+    return {key: [list(point) for point in points] for key, points in history.items()}
+
+
+def test_fixture_is_format_version_1():
+    bundle = json.loads((FIXTURE / str(SAVED_STEP) / "loopax" / "metadata").read_text())
+    assert bundle["version"] == 1
+    assert bundle["global_step"] == SAVED_STEP
+
+
+def test_v1_checkpoint_restores_and_continues_bit_identically(tmp_path):
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / str(SAVED_STEP), directory / str(SAVED_STEP))
+
+    trainer, loop, last = run(directory)
+    resumed = summary(trainer, loop, last)
+    assert trainer.global_step == END_STEP
+    # The run resumed at the saved step, not from scratch.
+    assert sorted(int(entry.name) for entry in directory.iterdir()) == [SAVED_STEP, 16, END_STEP]
+
+    # What loopax wrote the checkpoint with computed, after an uninterrupted run:
+    assert resumed["params"].keys() == expected["params"].keys()
+    for key, values in expected["params"].items():
+        np.testing.assert_array_equal(np.asarray(resumed["params"][key]), np.asarray(values))
+    assert resumed["last_metrics"] == expected["last_metrics"]
+    assert as_lists(resumed["history"]) == expected["history"]
+
+    # And what the code of today computes uninterrupted.
+    fresh_trainer, fresh_loop, fresh_last = run(tmp_path / "fresh")
+    fresh = summary(fresh_trainer, fresh_loop, fresh_last)
+    assert fresh["last_metrics"] == resumed["last_metrics"]
+    for path_and_leaf in zip(
+        jax.tree.leaves(jax.device_get(fresh_trainer.state_dict())),
+        jax.tree.leaves(jax.device_get(trainer.state_dict())),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(*path_and_leaf)
