@@ -11,20 +11,20 @@ import types
 from typing import TYPE_CHECKING
 
 from ._params import load_params as load_params
-from .trainer import ArrayDataset as ArrayDataset
+from .data import ArrayDataset as ArrayDataset
+from .data import Dataset as Dataset
+from .data import IterableDataset as IterableDataset
+from .loop import Evaluation as Evaluation
+from .loop import History as History
+from .loop import Hook as Hook
+from .loop import HookError as HookError
+from .loop import Loop as Loop
+from .loop import NonFiniteLossError as NonFiniteLossError
+from .loop import Priority as Priority
+from .loop import Schedule as Schedule
 from .trainer import Context as Context
-from .trainer import Dataset as Dataset
-from .trainer import Evaluation as Evaluation
 from .trainer import ExecInfo as ExecInfo
 from .trainer import Executor as Executor
-from .trainer import History as History
-from .trainer import Hook as Hook
-from .trainer import HookError as HookError
-from .trainer import IterableDataset as IterableDataset
-from .trainer import Loop as Loop
-from .trainer import NonFiniteLossError as NonFiniteLossError
-from .trainer import Priority as Priority
-from .trainer import Schedule as Schedule
 from .trainer import Trainer as Trainer
 from .trainer import TrainState as TrainState
 

@@ -45,8 +45,8 @@ def load_params(directory: str | os.PathLike[str], step: int | None = None) -> A
     """
     import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
 
-    from .hooks._checkpoint_format import check_directory  # noqa: PLC0415
-    from .hooks._checkpoint_io import (  # noqa: PLC0415
+    from .hooks._checkpointing._format import check_directory  # noqa: PLC0415
+    from .hooks._checkpointing._io import (  # noqa: PLC0415
         DamagedCheckpointError,
         open_manager,
         read,

@@ -1,12 +1,12 @@
 """Schedules, trigger helpers and ready hooks for `loopax.Loop`."""
 
-from ..trainer._hooks import AnyOf as AnyOf
-from ..trainer._hooks import Schedule as Schedule
-from ._checkpoint import Checkpointer as Checkpointer
-from ._checkpoint import NoGoodCheckpointError as NoGoodCheckpointError
-from ._checkpoint_hook import checkpoint as checkpoint
-from ._checkpoint_io import DamagedCheckpointError as DamagedCheckpointError
-from ._checkpoint_writer import BackgroundSaveError as BackgroundSaveError
+from ..loop._hook import AnyOf as AnyOf
+from ..loop._hook import Schedule as Schedule
+from ._checkpointing._checkpointer import Checkpointer as Checkpointer
+from ._checkpointing._checkpointer import NoGoodCheckpointError as NoGoodCheckpointError
+from ._checkpointing._hook import checkpoint as checkpoint
+from ._checkpointing._io import DamagedCheckpointError as DamagedCheckpointError
+from ._checkpointing._writer import BackgroundSaveError as BackgroundSaveError
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._early_stopping import early_stopping as early_stopping
 from ._evaluate import Evaluator as Evaluator

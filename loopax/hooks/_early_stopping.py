@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from ..trainer._datasets import dataset_name
-from ..trainer._history import Evaluation
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..data._datasets import dataset_name
+from ..loop._history import Evaluation
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._loop_schedules import EveryNEpochs, EveryNSteps, NTimes
 from ._metric_info import eval_metric_infos, is_writer_process
 from ._triggers import on_schedule

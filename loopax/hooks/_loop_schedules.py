@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..trainer._hooks import NEVER, Schedule
-from ..trainer._loop import Loop
+from ..loop._hook import NEVER, Schedule
+from ..loop._loop import Loop
 from ._schedules import (
     EveryNStepsRule,
     ExponentialRule,

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._loop_schedules import EveryNEpochs
 from ._points import PointsFile, format_from_path, points_of
 from ._writers import MetricWriter, write_metrics

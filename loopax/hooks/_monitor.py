@@ -12,8 +12,8 @@ import numbers
 import warnings
 from typing import Any
 
-from ..trainer._history import Evaluation, train_key
-from ..trainer._loop import Loop
+from ..loop._history import Evaluation, train_key
+from ..loop._loop import Loop
 from ._metric_info import describe_key, split_eval_key
 
 MODES = ("auto", "min", "max")

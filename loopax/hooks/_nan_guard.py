@@ -19,10 +19,10 @@ import math
 import numbers
 from typing import Any
 
-from ..trainer._finite import NonFiniteLossError
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
-from ._checkpoint import CHECKPOINTERS
+from ..loop._finite import NonFiniteLossError
+from ..loop._hook import Priority
+from ..loop._loop import Loop
+from ._checkpointing._checkpointer import CHECKPOINTERS
 from ._lr_checks import require_adjustable_learning_rate
 from ._schedules import _check_positive_int
 

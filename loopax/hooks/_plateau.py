@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of

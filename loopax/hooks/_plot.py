@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._evaluate import EVALUATED_DATASETS, check_datasets
 from ._loop_schedules import Exponential
 from ._metric_info import is_writer_process

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._loop_schedules import ClockSchedule
 from ._metric_info import is_writer_process, train_metric_infos
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
+from ..loop._hook import Priority
+from ..loop._loop import Loop
 from ._loop_schedules import EveryNSteps, FirstNSteps
 from ._metric_info import is_writer_process
 from ._writers import MetricWriter, Waiter, write_metrics

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..trainer._hooks import Hook, Priority, Schedule
-from ..trainer._loop import Loop
+from ..loop._hook import Hook, Priority, Schedule
+from ..loop._loop import Loop
 from ._loop_schedules import (
     AtSteps,
     EveryNEpochs,

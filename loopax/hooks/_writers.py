@@ -17,8 +17,8 @@ import atexit
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..trainer._hooks import Priority, Schedule
-from ..trainer._loop import Loop
+from ..loop._hook import Priority, Schedule
+from ..loop._loop import Loop
 from ._loop_schedules import EveryNSteps
 from ._metric_info import is_writer_process
 

@@ -1,37 +1,41 @@
-"""Trainer, Loop, Context, datasets, the executor cache and the data-parallel step."""
+"""The `Trainer`: compiles and caches one data-parallel step per spec and input shape."""
+
+import importlib
+import warnings
+from typing import Any
 
 from ._context import Context as Context
-from ._datasets import ArrayDataset as ArrayDataset
-from ._datasets import Dataset as Dataset
 from ._executors import ExecInfo as ExecInfo
 from ._executors import Executor as Executor
-from ._finite import NonFiniteLossError as NonFiniteLossError
-from ._history import Evaluation as Evaluation
-from ._history import History as History
-from ._hooks import Hook as Hook
-from ._hooks import HookError as HookError
-from ._hooks import Priority as Priority
-from ._hooks import Schedule as Schedule
-from ._iterables import IterableDataset as IterableDataset
-from ._loop import Loop as Loop
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer
 
-__all__ = [
-    "ArrayDataset",
-    "Context",
-    "Dataset",
-    "Evaluation",
-    "ExecInfo",
-    "Executor",
-    "History",
-    "Hook",
-    "HookError",
-    "IterableDataset",
-    "Loop",
-    "NonFiniteLossError",
-    "Priority",
-    "Schedule",
-    "TrainState",
-    "Trainer",
-]
+__all__ = ["Context", "ExecInfo", "Executor", "TrainState", "Trainer"]
+
+# Names that lived here before the Loop and the datasets got packages of their own:
+# `loopax.trainer.Loop` keeps working, with a DeprecationWarning naming the new home.
+_MOVED = {
+    "ArrayDataset": "loopax.data",
+    "Dataset": "loopax.data",
+    "IterableDataset": "loopax.data",
+    "Evaluation": "loopax.loop",
+    "History": "loopax.loop",
+    "Hook": "loopax.loop",
+    "HookError": "loopax.loop",
+    "Loop": "loopax.loop",
+    "NonFiniteLossError": "loopax.loop",
+    "Priority": "loopax.loop",
+    "Schedule": "loopax.loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'loopax.trainer' has no attribute {name!r}")
+    warnings.warn(
+        f"loopax.trainer.{name} moved to {home}.{name} (also loopax.{name}); import it from there",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)

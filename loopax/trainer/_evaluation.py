@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from ..data._datasets import Dataset, as_list, read_batches
+from ..data._iterables import evaluation_dataset
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
-from ._datasets import Dataset, as_list, read_batches
 from ._inflight import InFlight
-from ._iterables import evaluation_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor

@@ -10,7 +10,7 @@ the mean over devices, and how a body is wrapped and compiled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +19,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.stages import Wrapped
 
-AXIS = "devices"
+from .._devices import AXIS, Device
+
 STRATEGIES = ("shard_map", "pmap")
-
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    # `jax.Device` is a runtime alias of a compiled class that type checkers cannot see.
-    Device: TypeAlias = Any
-else:
-    Device = jax.Device
 
 
 class Strategy:

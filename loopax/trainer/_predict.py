@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._datasets import as_list, read_batches
-from ._iterables import is_dataset
+from ..data._datasets import as_list, read_batches
+from ..data._iterables import is_dataset
 
 if TYPE_CHECKING:
     from ._executors import Executor

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..data._datasets import as_list
+from ..data._device_data import DeviceChunk
 from ._batches import split_uneven_batch
 from ._context import ModelFn
-from ._datasets import as_list
-from ._device_data import DeviceChunk, gathering, gathering_steps
 from ._evaluation import EvalSteps
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._gather import gathering, gathering_steps
 from ._host_metrics import split_host_metrics
 from ._models import adapt, no_parameters_message
 from ._parallel import AXIS, Device, choose

@@ -11,7 +11,7 @@ import numpy as np
 from ._batches import spec_key
 
 if TYPE_CHECKING:
-    from ._device_data import DeviceChunk
+    from ..data._device_data import DeviceChunk
     from ._executors import ExecutorCache
     from ._parallel import Device, Strategy
     from ._steps import StepBuilder

@@ -455,7 +455,7 @@ def test_flipped_bytes_in_a_data_file_make_a_checkpoint_damaged(trainer, tmp_pat
 def test_a_checkpoint_holding_nan_is_damaged_and_never_restored(trainer, tmp_path):
     import orbax.checkpoint as ocp
 
-    from loopax.hooks._checkpoint_io import checksums
+    from loopax.hooks._checkpointing._io import checksums
 
     _, _, checkpointer = train(trainer, tmp_path, 2, every_n_steps=2)
     # A checkpoint as a loopax without the finite check could have written it: valid files,

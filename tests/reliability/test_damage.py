@@ -30,7 +30,7 @@ def forge_nan_checkpoint(directory, states):
     valid Orbax files, valid checksums, NaN parameters."""
     import orbax.checkpoint as ocp
 
-    from loopax.hooks._checkpoint_io import checksums
+    from loopax.hooks._checkpointing._io import checksums
 
     bundle = json.loads((directory / "4" / "loopax" / "metadata").read_text())
     shutil.rmtree(directory / "4")

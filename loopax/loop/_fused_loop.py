@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ._datasets import Dataset
+from ..data._datasets import Dataset
+from ..data._groups import group_reader, power_of_two_at_most
+from ..trainer._inflight import InFlight
 from ._finite import FiniteChecker, GroupMetrics
-from ._groups import group_reader, power_of_two_at_most
-from ._inflight import InFlight
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from ..trainer._trainer import Trainer
 
 
 class FusedRuns:

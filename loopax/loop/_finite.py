@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._trainer_args import SKIPPED_STEPS
+from ..trainer._trainer_args import SKIPPED_STEPS
 
 MOVING_AVERAGE = "moving_average_loss"
 

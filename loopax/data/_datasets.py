@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
+    from .._devices import Device
     from ._device_data import DeviceArrays, DeviceChunk
-    from ._parallel import Device
 
 Batch = tuple[Any, list[Any], list[Any]]
 

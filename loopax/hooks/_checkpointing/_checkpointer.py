@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ..trainer._finite import NonFiniteLossError
-from ..trainer._loop import Loop
-from ..trainer._state import first_non_finite
-from ._checkpoint_checks import check_best_metric as _check_best_metric
-from ._checkpoint_checks import check_count as _check_count
-from ._checkpoint_format import BUNDLE_ITEM as _BUNDLE_ITEM
-from ._checkpoint_format import STATE_ITEM as _STATE_ITEM
-from ._checkpoint_format import check_directory as _check_directory
-from ._checkpoint_format import incomplete_saves as _incomplete_saves
-from ._checkpoint_format import make_bundle
-from ._checkpoint_io import (
+from ...loop._finite import NonFiniteLossError
+from ...loop._loop import Loop
+from ...trainer._state import first_non_finite
+from .._metric_info import split_eval_key
+from ._checks import check_best_metric as _check_best_metric
+from ._checks import check_count as _check_count
+from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
+from ._format import STATE_ITEM as _STATE_ITEM
+from ._format import check_directory as _check_directory
+from ._format import incomplete_saves as _incomplete_saves
+from ._format import make_bundle
+from ._io import (
     checksums,
     open_manager,
     read,
@@ -44,11 +45,10 @@ from ._checkpoint_io import (
     read_newest_good,
     set_aside_entries,
 )
-from ._checkpoint_writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
-from ._metric_info import split_eval_key
+from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 
 if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
+    from ...trainer._trainer import Trainer
 
 _logger = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from ._datasets import Dataset, bad_batch_error, micro_batch_reader
+from ..data._datasets import Dataset, bad_batch_error, micro_batch_reader
+from ..data._iterables import RunIterable, check_restartable
+from ..trainer._inflight import InFlight, limit_for
+from ..trainer._trainer import Trainer
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._fused_loop import FusedRuns
 from ._history import History
+from ._hook import NEVER
 from ._hook_registry import PHASES
-from ._hooks import NEVER
-from ._inflight import InFlight, limit_for
-from ._iterables import RunIterable, check_restartable
 from ._loop_metrics import MetricsAccess
 from ._signals import Interrupts, signal_name
-from ._trainer import Trainer
 
 Metrics = dict[str, Any]
 _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._datasets import Dataset, dataset_name
+from ..data._datasets import Dataset, dataset_name
 from ._history import Evaluation, History, train_key
+from ._hook import NEVER, HookError
 from ._hook_registry import HookRegistry
-from ._hooks import NEVER, HookError
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from ..trainer._trainer import Trainer
 
 Metrics = dict[str, Any]
 LogFn = Callable[[int, dict[str, float]], Any]

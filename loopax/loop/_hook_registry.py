@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ._datasets import Dataset
+from ..data._datasets import Dataset
 from ._finite import NonFiniteLossError
 from ._history import Evaluation
-from ._hooks import NEVER, Hook, HookError, Priority, Schedule
+from ._hook import NEVER, Hook, HookError, Priority, Schedule
 
 if TYPE_CHECKING:
     from ._loop import Loop

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import jax  # noqa: F401  (the doctest's namespace)
 
-from ..trainer._hooks import Priority
-from ..trainer._loop import Loop
-from ._checkpoint import Checkpointer
-from ._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
-from ._triggers import on_schedule
+from ...loop._hook import Priority
+from ...loop._loop import Loop
+from .._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
+from .._triggers import on_schedule
+from ._checkpointer import Checkpointer
 
 
 def checkpoint(

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..trainer._state import first_non_finite, tree_paths
-from ._checkpoint_format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, STATE_ITEM, VERSION
+from ...trainer._state import first_non_finite, tree_paths
+from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, STATE_ITEM, VERSION
 
 
 class DamagedCheckpointError(ValueError):

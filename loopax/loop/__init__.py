@@ -1,0 +1,21 @@
+"""The `Loop`: runs a `Trainer` over steps or epochs and fires prioritized hooks."""
+
+from ._finite import NonFiniteLossError as NonFiniteLossError
+from ._history import Evaluation as Evaluation
+from ._history import History as History
+from ._hook import Hook as Hook
+from ._hook import HookError as HookError
+from ._hook import Priority as Priority
+from ._hook import Schedule as Schedule
+from ._loop import Loop as Loop
+
+__all__ = [
+    "Evaluation",
+    "History",
+    "Hook",
+    "HookError",
+    "Loop",
+    "NonFiniteLossError",
+    "Priority",
+    "Schedule",
+]
