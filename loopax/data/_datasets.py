@@ -374,6 +374,11 @@ def as_list(arrays: Any) -> list[Any]:
     return [arrays]
 
 
+def shown_name(dataset: Any) -> Any:
+    """What messages call `dataset`: its `name`, or the object itself when it has none."""
+    return getattr(dataset, "name", dataset)
+
+
 def dataset_name(dataset: Any) -> str:
     """The dataset's `name`, which results are stored and shown under.
 
@@ -403,7 +408,7 @@ def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
         else f"a {type(batch).__name__}"
     )
     return ValueError(
-        f"dataset {getattr(dataset, 'name', dataset)!r} yielded {size}; yield_batch() must "
+        f"dataset {shown_name(dataset)!r} yielded {size}; yield_batch() must "
         "return (spec, inputs, labels). For (inputs, labels) pairs return "
         "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
         "accepts both"
@@ -424,7 +429,7 @@ def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
             return
         except Exception as err:
             raise RuntimeError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} failed during {during}: "
+                f"dataset {shown_name(dataset)!r} failed during {during}: "
                 f"{type(err).__name__}: {err}"
             ) from err
         if type(batch) is not tuple or len(batch) != 3:
@@ -488,7 +493,7 @@ def _check_same_kind(dataset: Any, first: tuple, batch: tuple, index: int, count
 
     if first[0] != batch[0] or shapes(first) != shapes(batch):
         raise ValueError(
-            f"dataset {getattr(dataset, 'name', dataset)!r}: with accumulate_steps={count} the "
+            f"dataset {shown_name(dataset)!r}: with accumulate_steps={count} the "
             f"{count} batches of one optimizer step are stacked, so they need one spec and one "
             f"shape; micro-batch {index} has spec {batch[0]!r} and shapes {shapes(batch)}, the "
             f"first has spec {first[0]!r} and shapes {shapes(first)}. Give every batch the same "

@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..loop._hook import NEVER, Schedule
-from ..loop._loop import Loop
+from ..loop._hook import NEVER, RunInfo, Schedule
 from ._schedules import (
     EveryNStepsRule,
     ExponentialRule,
@@ -40,11 +39,11 @@ class EveryNSteps(Schedule):
         self.rule = EveryNStepsRule(n)
         self.n = self.rule.n
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         return -(-(step + 1) // self.n) * self.n - 1
 
-    def should_fire(self, loop: Loop) -> bool:
-        return self.rule.should_fire(loop.loop_step)
+    def should_fire(self, run: RunInfo) -> bool:
+        return self.rule.should_fire(run.loop_step)
 
     def __repr__(self) -> str:
         return f"every_n_steps({self.n})"
@@ -74,34 +73,34 @@ class NTimes(Schedule):
         self.run_end_step = -1
         self._restored: dict[str, int] | None = None
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         restored, self._restored = self._restored, None
-        self.run_start_step = loop.start_step
-        self.run_end_step = loop.end_step
+        self.run_start_step = run.start_step
+        self.run_end_step = run.end_step
         if (
             restored is not None
             and restored["end_step"] >= 0
-            and restored["end_step"] == loop.end_step
-            and restored["start_step"] <= loop.start_step < restored["end_step"]
+            and restored["end_step"] == run.end_step
+            and restored["start_step"] <= run.start_step < restored["end_step"]
         ):
             # Resuming the same run: keep its firing points.
             self.run_start_step = restored["start_step"]
 
-    def _total(self, loop: Loop) -> int | None:
+    def _total(self, run: RunInfo) -> int | None:
         assert self.run_start_step is not None, "start_run was not called"
-        self.run_end_step = loop.end_step
-        return None if loop.end_step < 0 else loop.end_step - self.run_start_step
+        self.run_end_step = run.end_step
+        return None if run.end_step < 0 else run.end_step - self.run_start_step
 
-    def next_step(self, loop: Loop, step: int) -> int:
-        total = self._total(loop)
+    def next_step(self, run: RunInfo, step: int) -> int:
+        total = self._total(run)
         assert self.run_start_step is not None
         point = self.rule.next_point(step - self.run_start_step + 1, total)
         return NEVER if point is None else self.run_start_step + point - 1
 
-    def should_fire(self, loop: Loop) -> bool:
-        total = self._total(loop)
+    def should_fire(self, run: RunInfo) -> bool:
+        total = self._total(run)
         assert self.run_start_step is not None
-        return self.rule.should_fire(loop.loop_step - self.run_start_step + 1, total)
+        return self.rule.should_fire(run.loop_step - self.run_start_step + 1, total)
 
     def get_state(self) -> dict[str, Any]:
         if self.run_start_step is None:
@@ -142,19 +141,19 @@ class Exponential(Schedule):
         self.start_step = self.rule.start_step
         self.factor = self.rule.factor
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         # `loop_step`, not `start_step`: they agree before a run's first step, and a hook
         # registered during a run starts at its grid points from there, not catching up
         # the points of the run's earlier steps.
-        self.rule.start_run(loop.loop_step)
+        self.rule.start_run(run.loop_step)
 
     restart = start_run  # a rollback or restore continues on the grid from its step
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         return max(step, self.rule.next_step)
 
-    def should_fire(self, loop: Loop) -> bool:
-        return self.rule.should_fire(loop.loop_step)
+    def should_fire(self, run: RunInfo) -> bool:
+        return self.rule.should_fire(run.loop_step)
 
     def __repr__(self) -> str:
         return f"exponential_callback({self.start_step}, {self.factor:g})"
@@ -187,32 +186,32 @@ class ClockSchedule(Schedule):
         self._read: tuple[int, float] | None = None  # the last (step, clock reading)
         self._per_step: float | None = None  # clock seconds per step, from the readings
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         self.last = None
-        self.restart(loop)
+        self.restart(run)
 
-    def restart(self, loop: Loop) -> None:
+    def restart(self, run: RunInfo) -> None:
         self._read, self._per_step = None, None  # the steps jumped: measure again
 
-    def _now(self, loop: Loop) -> float:
+    def _now(self, run: RunInfo) -> float:
         now = self.clock()
-        step = loop.loop_step
+        step = run.loop_step
         if self._read is not None and step > self._read[0]:
             self._per_step = (now - self._read[1]) / (step - self._read[0])
         self._read = (step, now)
         return now
 
-    def should_fire(self, loop: Loop) -> bool:
-        now = self._now(loop)
+    def should_fire(self, run: RunInfo) -> bool:
+        now = self._now(run)
         if self.last is not None:
             return now - self.last >= self.period_seconds
         self.last = now  # the run's first step
         return self.fire_first
 
-    def fired(self, loop: Loop) -> None:
-        self.last = self._now(loop)  # also the newest reading, for the prediction
+    def fired(self, run: RunInfo) -> None:
+        self.last = self._now(run)  # also the newest reading, for the prediction
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         if self.last is None or self._read is None or not self._per_step:
             return step
         read_step, read_time = self._read
@@ -263,12 +262,12 @@ class AtSteps(Schedule):
             raise ValueError("AtSteps needs at least one global step, e.g. AtSteps([100, 1000])")
         self.steps = tuple(steps)
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         index = bisect.bisect_left(self.steps, step + 1)
         return NEVER if index == len(self.steps) else self.steps[index] - 1
 
-    def should_fire(self, loop: Loop) -> bool:
-        return loop.loop_step + 1 in self.steps
+    def should_fire(self, run: RunInfo) -> bool:
+        return run.loop_step + 1 in self.steps
 
     def __repr__(self) -> str:
         shown = ", ".join(map(str, self.steps[:5])) + (", ..." if len(self.steps) > 5 else "")
@@ -294,18 +293,18 @@ class FirstNSteps(Schedule):
         self._first: int | None = None  # the first step counted
         self._seen = 0  # steps counted before this run (of_process)
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         if not self.of_process:
             self._seen = 0
-        self._first = loop.start_step - self._seen
+        self._first = run.start_step - self._seen
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         assert self._first is not None, "start_run was not called"
         return step if step - self._first < self.n else NEVER
 
-    def should_fire(self, loop: Loop) -> bool:
+    def should_fire(self, run: RunInfo) -> bool:
         assert self._first is not None
-        done = loop.loop_step - self._first
+        done = run.loop_step - self._first
         if self.of_process:
             self._seen = done + 1
         return done < self.n
@@ -331,8 +330,8 @@ class EveryNEpochs(Schedule):
     def __init__(self, n: int):
         self.n = _check_positive_int("n", n)
 
-    def should_fire(self, loop: Loop) -> bool:
-        return (loop.epoch + 1) % self.n == 0
+    def should_fire(self, run: RunInfo) -> bool:
+        return (run.epoch + 1) % self.n == 0
 
     def __repr__(self) -> str:
         return f"every_n_epochs({self.n})"

@@ -6,6 +6,7 @@ from ._history import History as History
 from ._hook import Hook as Hook
 from ._hook import HookError as HookError
 from ._hook import Priority as Priority
+from ._hook import RunInfo as RunInfo
 from ._hook import Schedule as Schedule
 from ._loop import Loop as Loop
 
@@ -17,5 +18,6 @@ __all__ = [
     "Loop",
     "NonFiniteLossError",
     "Priority",
+    "RunInfo",
     "Schedule",
 ]

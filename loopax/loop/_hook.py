@@ -6,12 +6,33 @@ import abc
 import enum
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._loop import Loop
+from typing import Any, Protocol
 
 NEVER = sys.maxsize  # a `Schedule.next_step` that will not come
+
+
+class RunInfo(Protocol):
+    """Where a run stands: all a `Schedule` is told (a `Loop` is one).
+
+    A schedule can be tested without a Loop: any object with these four attributes will
+    do, e.g. `types.SimpleNamespace(start_step=0, end_step=100, loop_step=0, epoch=0)`.
+
+    Attributes:
+      start_step: the first step of the current run.
+      end_step: one past the run's last step; -1 while unknown in the first epoch of
+        `run_epochs`.
+      loop_step: the step being run (0-based); at an epoch end, one past its last step.
+      epoch: the current epoch of `run_epochs` (0-based).
+    """
+
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def end_step(self) -> int: ...
+    @property
+    def loop_step(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
 
 
 class Priority(enum.IntEnum):
@@ -74,15 +95,15 @@ class Schedule(abc.ABC):
     #: True for a schedule of epoch ends (`loop.on_epoch_end`), False for one of steps.
     at_epoch_end: bool = False
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         """Called before the first step of every run (after the OnStart hooks)."""
-        del loop  # stateless schedules ignore it
+        del run  # stateless schedules ignore it
 
-    def restart(self, loop: Loop) -> None:
+    def restart(self, run: RunInfo) -> None:
         """Called when the run continues from an earlier step (`loop.resume_from`)."""
-        del loop  # stateless schedules ignore it
+        del run  # stateless schedules ignore it
 
-    def next_step(self, loop: Loop, step: int) -> int:
+    def next_step(self, run: RunInfo, step: int) -> int:
         """The first step index `>= step` at which `should_fire` may be True (`NEVER` for none).
 
         The default asks at every step.
@@ -90,12 +111,12 @@ class Schedule(abc.ABC):
         return step
 
     @abc.abstractmethod
-    def should_fire(self, loop: Loop) -> bool:
-        """Whether the hook runs at the current step (`loop.loop_step`); may advance."""
+    def should_fire(self, run: RunInfo) -> bool:
+        """Whether the hook runs at the current step (`run.loop_step`); may advance."""
 
-    def fired(self, loop: Loop) -> None:
+    def fired(self, run: RunInfo) -> None:
         """Called after the hook ran (e.g. a clock restarts its period here)."""
-        del loop  # stateless schedules ignore it
+        del run  # stateless schedules ignore it
 
     def get_state(self) -> dict[str, Any]:
         """The position a checkpoint must save (JSON-serializable); `{}` when stateless."""
@@ -146,30 +167,30 @@ class AnyOf(Schedule):
         # Only all-clock: a step part keeps its steps exact (and ends fused groups).
         self.time_based = bool(flat) and all(s.time_based for s in flat)
 
-    def start_run(self, loop: Loop) -> None:
+    def start_run(self, run: RunInfo) -> None:
         for schedule in self.schedules:
-            schedule.start_run(loop)
+            schedule.start_run(run)
 
-    def restart(self, loop: Loop) -> None:
+    def restart(self, run: RunInfo) -> None:
         for schedule in self.schedules:
-            schedule.restart(loop)
+            schedule.restart(run)
 
-    def next_step(self, loop: Loop, step: int) -> int:
-        return min(schedule.next_step(loop, step) for schedule in self.schedules)
+    def next_step(self, run: RunInfo, step: int) -> int:
+        return min(schedule.next_step(run, step) for schedule in self.schedules)
 
-    def should_fire(self, loop: Loop) -> bool:
-        step = loop.loop_step
+    def should_fire(self, run: RunInfo) -> bool:
+        step = run.loop_step
         fire = False
         for schedule in self.schedules:
-            if (schedule.checks_every_step or schedule.next_step(loop, step) <= step) and (
-                schedule.should_fire(loop)
+            if (schedule.checks_every_step or schedule.next_step(run, step) <= step) and (
+                schedule.should_fire(run)
             ):
                 fire = True
         return fire
 
-    def fired(self, loop: Loop) -> None:
+    def fired(self, run: RunInfo) -> None:
         for schedule in self.schedules:
-            schedule.fired(loop)
+            schedule.fired(run)
 
     def get_state(self) -> dict[str, Any]:
         states = {str(i): s.get_state() for i, s in enumerate(self.schedules)}

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data._datasets import Dataset, bad_batch_error, micro_batch_reader
+from ..data._datasets import Dataset, bad_batch_error, micro_batch_reader, shown_name
 from ..data._iterables import RunIterable, check_restartable
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
@@ -321,7 +321,7 @@ class Loop(FusedRuns, MetricsAccess):
 
     def _dataset_error(self, dataset: Dataset, err: Exception) -> RuntimeError:
         return RuntimeError(
-            f"dataset {getattr(dataset, 'name', dataset)!r} failed at step "
+            f"dataset {shown_name(dataset)!r} failed at step "
             f"{self.loop_step}: {type(err).__name__}: {err}"
         )
 
@@ -431,7 +431,7 @@ class Loop(FusedRuns, MetricsAccess):
             if self._train_until(dataset, self.end_step):
                 done = self.loop_step - self.start_step
                 raise RuntimeError(
-                    f"reached the end of dataset {getattr(dataset, 'name', dataset)!r} after "
+                    f"reached the end of dataset {shown_name(dataset)!r} after "
                     f"{done} of {steps} steps; use run_epochs or a looping dataset "
                     "(e.g. ArrayDataset(..., loop_forever=True))"
                 )
@@ -482,8 +482,7 @@ class Loop(FusedRuns, MetricsAccess):
                     break  # a stop was requested
                 if self._epoch_batches == 0:
                     raise ValueError(
-                        f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch in "
-                        f"epoch {self.epoch}"
+                        f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"
                     )
                 self.end_step = self.loop_step + self._epoch_batches * (epochs - self.epoch - 1)
                 self._settle_between_steps()

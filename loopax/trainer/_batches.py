@@ -8,6 +8,8 @@ from typing import Any, TypeGuard
 import jax
 import numpy as np
 
+from ..data._datasets import shown_name
+
 
 def spec_key(spec: Any) -> Hashable:
     try:
@@ -51,7 +53,7 @@ def dropped_examples_warning(dataset: Any) -> str | None:
     if not dropped:
         return None
     return (
-        f"dataset {getattr(dataset, 'name', dataset)!r} drops its last {dropped} of "
+        f"dataset {shown_name(dataset)!r} drops its last {dropped} of "
         f"{num_examples} examples (drop_remainder=True with batch_size {batch_size}): this "
         f"evaluation covers {num_examples - dropped}; build it with drop_remainder=False to "
         "evaluate every example"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ..data._datasets import Dataset, as_list, read_batches
+from ..data._datasets import Dataset, as_list, read_batches, shown_name
 from ..data._iterables import evaluation_dataset
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
 from ._inflight import InFlight
@@ -121,7 +121,7 @@ class EvalSteps:
         dataset = evaluation_dataset(dataset)
         if getattr(dataset, "loop_forever", False):
             raise ValueError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} loops forever, so evaluating it "
+                f"dataset {shown_name(dataset)!r} loops forever, so evaluating it "
                 "would never end; evaluate a dataset built with loop_forever=False"
             )
         dropped = dropped_examples_warning(dataset)
@@ -136,7 +136,7 @@ class EvalSteps:
             in_flight.push(values["mean_loss"])
         if values is None:
             raise ValueError(
-                f"dataset {getattr(dataset, 'name', dataset)!r} yielded no batch to evaluate; "
+                f"dataset {shown_name(dataset)!r} yielded no batch to evaluate; "
                 "check its size and batch_size (drop_remainder drops a short last batch)"
             )
         host_values = jax.device_get(values)

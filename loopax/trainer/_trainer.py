@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import optax
 
 from ..data._datasets import as_list
 from ..data._device_data import DeviceChunk
+from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
 from ._batches import split_uneven_batch
 from ._context import ModelFn
 from ._evaluation import EvalSteps
@@ -38,6 +39,19 @@ from ._trainer_args import (
 )
 from ._trainer_fused import FusedSteps
 from ._trainer_state import StateAccess
+
+
+class StepResult(NamedTuple):
+    """What `Trainer.run` returns: the metrics of a dispatch's steps.
+
+    Attributes:
+      last: the last step's metrics, as `train_step` returns them (on the device).
+      stacked: every step's metrics with a leading axis of the steps, or None for a
+        dispatch of one step (its `last` are its own).
+    """
+
+    last: dict[str, Any]
+    stacked: dict[str, Any] | None
 
 
 class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
@@ -451,6 +465,34 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         if host_train:  # host metrics: their step values wait, unread
             return host_train.results(self._step_metric_names, values)
         return dict(zip(self._step_metric_names, values, strict=True))
+
+    def run(self, dispatch: Dispatch) -> StepResult:
+        """Runs one dispatch of the loop as one compiled call.
+
+        `OneStep` runs `train_step`, `Stacked` `train_steps`, and `OnDevice` a program of
+        `train_steps` that takes each step's batch from the devices' arrays itself.
+
+        Returns:
+          The `StepResult` of the dispatch's `dispatch.count` optimizer steps.
+
+        Raises:
+          TypeError: `dispatch` is none of the three records.
+          As `train_step` and `train_steps` otherwise.
+        """
+        if isinstance(dispatch, OneStep):
+            return StepResult(
+                self.train_step(dispatch.spec, dispatch.inputs, dispatch.labels), None
+            )
+        if isinstance(dispatch, Stacked):
+            stacked, last = self.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
+            return StepResult(last, stacked)
+        if isinstance(dispatch, OnDevice):
+            stacked, last = self._train_gathered(dispatch.spec, dispatch.chunk)
+            return StepResult(last, stacked)
+        raise TypeError(
+            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
+            f"{type(dispatch).__name__}"
+        )
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,63 @@
+"""Checks of the integer arguments every floor takes, with messages that name them.
+
+Each returns the value as a Python int, or raises `ValueError` (`TypeError` for a priority
+of the wrong type) naming the argument, the value and what to pass instead. `where` is a
+prefix for the message, e.g. the hook's name: `"early_stopping: "`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(argument: str, value: Any, where: str = "") -> int:
+    """`value` as an int >= 1.
+
+    Example:
+      >>> positive_int("n", 3)
+      3
+      >>> positive_int("n", 0)
+      Traceback (most recent call last):
+      ...
+      ValueError: n must be a positive int, got n=0
+    """
+    if not _is_int(value):
+        raise ValueError(
+            f"{where}{argument} must be a positive int, got {value!r} of type "
+            f"{type(value).__name__}; pass an int such as {argument}=10"
+        )
+    if value < 1:
+        raise ValueError(f"{where}{argument} must be a positive int, got {argument}={value!r}")
+    return int(value)
+
+
+def non_negative_int(argument: str, value: Any, where: str = "") -> int:
+    """`value` as an int >= 0.
+
+    Example:
+      >>> non_negative_int("steps", -1)
+      Traceback (most recent call last):
+      ...
+      ValueError: steps must be an int >= 0, got steps=-1
+    """
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{where}{argument} must be an int >= 0, got {argument}={value!r}")
+    return int(value)
+
+
+def priority(value: Any, where: str = "") -> int:
+    """A hook priority as an int (any int; `loopax.Priority` names the bands).
+
+    Raises:
+      TypeError: `value` is not an int (a bool is not one).
+    """
+    if not _is_int(value):
+        raise TypeError(
+            f"{where}priority must be an int such as loopax.Priority.CHECKPOINT, got {value!r}"
+        )
+    return int(value)
