@@ -187,13 +187,7 @@ def binary_logits_correct(
     return _weighted_correct(logit * (label - 0.5) > 0, mask, weights)
 
 
-class _PercentMixin:
-    def pretty_print(self, value: Any) -> str:
-        """Formats an accuracy as a percentage with 2 decimals (`93.41%`)."""
-        return format_percent(value)
-
-
-class SparseCategoricalAccuracy(_PercentMixin, Mean):
+class SparseCategoricalAccuracy(Mean):
     """Fraction of examples whose argmax prediction is the integer label.
 
     `labels[0]`: integer class ids `[...]` or `[..., 1]`; `predictions[0]`: logits or
@@ -227,10 +221,11 @@ class SparseCategoricalAccuracy(_PercentMixin, Mean):
             functools.partial(sparse_categorical_correct, f"SparseCategoricalAccuracy {name!r}"),
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )
 
 
-class BinaryAccuracy(_PercentMixin, Mean):
+class BinaryAccuracy(Mean):
     """Fraction of binary labels predicted within 0.5 by a probability.
 
     Correct iff `abs(labels[0] - predictions[0]) < 0.5`. Optional bool mask and/or float
@@ -258,10 +253,11 @@ class BinaryAccuracy(_PercentMixin, Mean):
             functools.partial(binary_correct, f"BinaryAccuracy {name!r}"),
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )
 
 
-class BinaryLogitsAccuracy(_PercentMixin, Mean):
+class BinaryLogitsAccuracy(Mean):
     """Fraction of binary labels whose logit has the right sign.
 
     Correct iff `predictions[0] * (labels[0] - 0.5) > 0`. Optional bool mask and/or float
@@ -289,10 +285,11 @@ class BinaryLogitsAccuracy(_PercentMixin, Mean):
             functools.partial(binary_logits_correct, f"BinaryLogitsAccuracy {name!r}"),
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )
 
 
-class MovingAverageSparseCategoricalAccuracy(_PercentMixin, MovingAverage):
+class MovingAverageSparseCategoricalAccuracy(MovingAverage):
     """Moving average of the per-batch `SparseCategoricalAccuracy`.
 
     Same inputs as `SparseCategoricalAccuracy`; averaging as in `MovingAverage`.
@@ -332,10 +329,11 @@ class MovingAverageSparseCategoricalAccuracy(_PercentMixin, MovingAverage):
             new_example_weight=new_example_weight,
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )
 
 
-class MovingAverageBinaryAccuracy(_PercentMixin, MovingAverage):
+class MovingAverageBinaryAccuracy(MovingAverage):
     """Moving average of the per-batch `BinaryAccuracy` (probability predictions).
 
     State: `MovingAverageState(mean, count)`; partial: `MeanState`.
@@ -371,10 +369,11 @@ class MovingAverageBinaryAccuracy(_PercentMixin, MovingAverage):
             new_example_weight=new_example_weight,
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )
 
 
-class MovingAverageBinaryLogitsAccuracy(_PercentMixin, MovingAverage):
+class MovingAverageBinaryLogitsAccuracy(MovingAverage):
     """Moving average of the per-batch `BinaryLogitsAccuracy` (logit predictions).
 
     State: `MovingAverageState(mean, count)`; partial: `MeanState`.
@@ -408,4 +407,5 @@ class MovingAverageBinaryLogitsAccuracy(_PercentMixin, MovingAverage):
             new_example_weight=new_example_weight,
             short_name=short_name,
             metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
         )

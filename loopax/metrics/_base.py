@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -141,6 +141,9 @@ class Metric(abc.ABC):
         """
         return self.merge(state, partial)
 
+    #: How `pretty_print` formats a value; None: 3 significant digits.
+    formatter: Callable[[Any], str] | None = None
+
     def pretty_print(self, value: Any) -> str:
         """Formats a computed value for people (default: 3 significant digits).
 
@@ -148,9 +151,9 @@ class Metric(abc.ABC):
           value: a value returned by `compute` (an array or a Python number).
 
         Returns:
-          A short string such as `0.123`.
+          A short string such as `0.123` (`formatter(value)` when the metric has one).
         """
-        return format_number(value)
+        return format_number(value) if self.formatter is None else self.formatter(value)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

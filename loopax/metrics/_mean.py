@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +134,8 @@ class Mean(Metric):
         compiled step.
       short_name: compact name for progress bars; defaults to `name`.
       metric_type: plots group metrics of the same type, e.g. `"loss"`.
+      formatter: `formatter(value) -> str` for `pretty_print` (e.g.
+        `loopax.metrics.format_percent`); default 3 significant digits.
 
     Raises:
       ValueError: `name` is empty.
@@ -154,12 +156,19 @@ class Mean(Metric):
     short_name: str
 
     def __init__(
-        self, name: str, fn: MetricFn, *, short_name: str | None = None, metric_type: str = ""
+        self,
+        name: str,
+        fn: MetricFn,
+        *,
+        short_name: str | None = None,
+        metric_type: str = "",
+        formatter: Callable[[Any], str] | None = None,
     ):
         check_name_and_fn(name, fn)
         self.name = name
         self.short_name = name if short_name is None else short_name
         self.metric_type = metric_type
+        self.formatter = formatter
         self.fn = fn
 
     def init(self) -> MeanState:
@@ -211,6 +220,8 @@ class MovingAverage(Metric):
       new_example_weight: the weight of a new batch once past the warm-up; in (0, 1].
       short_name: compact name for progress bars; defaults to `name`.
       metric_type: plots group metrics of the same type, e.g. `"loss"`.
+      formatter: `formatter(value) -> str` for `pretty_print` (e.g.
+        `loopax.metrics.format_percent`); default 3 significant digits.
 
     Raises:
       ValueError: `name` is empty or `new_example_weight` is not in (0, 1].
@@ -238,6 +249,7 @@ class MovingAverage(Metric):
         new_example_weight: float = 0.01,
         short_name: str | None = None,
         metric_type: str = "",
+        formatter: Callable[[Any], str] | None = None,
     ):
         check_name_and_fn(name, fn)
         if not 0.0 < new_example_weight <= 1.0:
@@ -248,6 +260,7 @@ class MovingAverage(Metric):
         self.name = name
         self.short_name = name if short_name is None else short_name
         self.metric_type = metric_type
+        self.formatter = formatter
         self.fn = fn
         self.new_example_weight = float(new_example_weight)
 
