@@ -12,7 +12,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import numpy as np
 
@@ -65,6 +65,15 @@ def batch_from_element(element: Any, name: str) -> Batch:
     return spec, as_list(inputs), as_list(labels)
 
 
+class ReadOnce(NamedTuple):
+    """An iterator for an `IterableDataset` that reads it once and cannot `reset()`.
+
+    What `Loop.run_steps` makes of a generator it is given directly.
+    """
+
+    iterator: Iterator[Any]
+
+
 class IterableDataset:
     """Reads batches from an iterable.
 
@@ -114,8 +123,13 @@ class IterableDataset:
 
     can_reset: bool
 
-    def __init__(self, source: Iterable[Any] | Callable[[], Iterator[Any]], *, name: str):
-        if isinstance(source, Iterator):
+    def __init__(
+        self, source: Iterable[Any] | Callable[[], Iterator[Any]] | ReadOnce, *, name: str
+    ):
+        iterator = source.iterator if isinstance(source, ReadOnce) else None
+        if iterator is not None:
+            source = iterator
+        elif isinstance(source, Iterator):
             raise TypeError(
                 f"IterableDataset {name!r} got an iterator ({type(source).__name__}), which can "
                 "be read only once; pass the iterable it reads (a list, a grain dataset) or a "
@@ -126,20 +140,10 @@ class IterableDataset:
                 f"IterableDataset needs an iterable of batches or a zero-argument callable "
                 f"returning an iterator, got {type(source).__name__}"
             )
-        self._setup(source, name, iterator=None)
-
-    @classmethod
-    def _reading(cls, iterator: Iterator[Any], name: str) -> IterableDataset:
-        """An `IterableDataset` that reads `iterator` once and cannot `reset()`."""
-        dataset = cls.__new__(cls)
-        dataset._setup(iterator, name, iterator=iter(iterator))
-        return dataset
-
-    def _setup(self, source: Any, name: str, iterator: Iterator[Any] | None) -> None:
         self.name = name
-        self.source = source
+        self.source: Any = source
         self.can_reset = iterator is None
-        self._iterator = iterator
+        self._iterator: Iterator[Any] | None = iterator
 
     def _new_iterator(self) -> Iterator[Any]:
         source = self.source
@@ -182,7 +186,7 @@ class IterableDataset:
             "read it again"
         )
 
-    def _check_passes(self, reader: str) -> None:
+    def check_passes(self, reader: str) -> None:
         """Checks that `reader` (evaluate, run_epochs) can read whole passes.
 
         The source must start over and end.
@@ -297,7 +301,7 @@ def as_dataset(data: Any, name: str) -> Dataset:
     elif isinstance(data, Mapping):
         hint = "; for a single batch pass [batch]"
     elif isinstance(data, Iterator):
-        return IterableDataset._reading(data, name)
+        return IterableDataset(ReadOnce(data), name=name)
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
         return IterableDataset(data, name=name)
     elif callable(data):
@@ -325,7 +329,7 @@ def evaluation_dataset(data: Any) -> Dataset:
     dataset = as_dataset(data, "eval")
     if not isinstance(dataset, IterableDataset):
         return dataset
-    dataset._check_passes("evaluate")
+    dataset.check_passes("evaluate")
     return IterableDataset(dataset.source, name=dataset.name)
 
 
@@ -338,7 +342,7 @@ def check_restartable(dataset: Dataset, reader: str) -> None:
     """
     if isinstance(dataset, IterableDataset):
         try:
-            dataset._check_passes(reader)
+            dataset.check_passes(reader)
         except TypeError as err:
             raise TypeError(f"{err}, or use run_steps") from None
     if not callable(getattr(dataset, "reset", None)):

@@ -1,0 +1,204 @@
+"""The house rules of ARCHITECTURE.md, checked on the source: the floors (which package may
+import which), classes composed of members rather than assembled from mixins, no reach into
+another object's private attributes, modules of at most 500 lines, and the public names and
+deprecated import paths users rely on."""
+
+import ast
+import importlib
+import pathlib
+import sys
+import warnings
+
+import pytest
+
+import loopax
+
+PACKAGE = pathlib.Path(loopax.__file__).parent
+
+# Lower floors first: a package imports only from floors below its own (and from itself).
+FLOORS = {
+    "_devices": 0,
+    "_validate": 0,
+    "metrics": 1,
+    "losses": 1,
+    "optimizers": 1,
+    "testing": 1,
+    "data": 2,
+    "trainer": 3,
+    "loop": 4,
+    "hooks": 5,
+    "_params": 6,
+    "__init__": 7,
+}
+# Names a namedtuple or a frozen dataclass offers with a leading underscore, and the
+# interpreter's own that loopax calls on purpose.
+ALLOWED_PRIVATE = {"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe"}
+MAX_LINES = 500
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def room_of(path):
+    """The top-level package or module of loopax that `path` belongs to."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0].removesuffix(".py")
+
+
+def imported_rooms(path, tree):
+    """(line, room) for each import of another part of loopax, TYPE_CHECKING ones included."""
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # folders below loopax/
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = node.level - 1
+                if up > depth:
+                    continue
+                if up < depth:  # inside the importer's own room
+                    continue
+                target = (node.module or "").split(".")[0]
+                names = [alias.name for alias in node.names] if not node.module else [target]
+                for name in names:
+                    yield node.lineno, name
+            elif node.module and node.module.split(".")[0] == "loopax":
+                parts = node.module.split(".")
+                names = [alias.name for alias in node.names] if len(parts) == 1 else [parts[1]]
+                for name in names:
+                    yield node.lineno, name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "loopax" and len(parts) > 1:
+                    yield node.lineno, parts[1]
+
+
+def test_every_room_has_a_floor():
+    rooms = {room_of(path) for path, _ in modules()}
+    assert rooms <= set(FLOORS), f"rooms without a floor in this test: {rooms - set(FLOORS)}"
+
+
+def test_packages_import_only_from_lower_floors():
+    upward = []
+    for path, tree in modules():
+        room = room_of(path)
+        for line, target in imported_rooms(path, tree):
+            if target in FLOORS and target != room and FLOORS[target] >= FLOORS[room]:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports loopax.{target}")
+    assert not upward, "imports against the floors:\n" + "\n".join(upward)
+
+
+def loopax_classes():
+    classes = {}
+    for path, tree in modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append((path, node))
+    return classes
+
+
+def test_no_class_is_assembled_from_loopax_mixins():
+    classes = loopax_classes()
+    assembled = []
+    for name, places in classes.items():
+        for path, node in places:
+            own = [ast.unparse(b) for b in node.bases if ast.unparse(b).split(".")[-1] in classes]
+            if len(own) >= 2 or (own and len(node.bases) >= 2):
+                assembled.append(f"{name} ({path.relative_to(PACKAGE.parent)}) from {own}")
+    assert not assembled, "classes assembled from mixins:\n" + "\n".join(assembled)
+
+
+@pytest.mark.parametrize("cls", [loopax.Loop, loopax.Trainer])
+def test_loop_and_trainer_have_no_loopax_base_class(cls):
+    bases = [base for base in cls.__mro__[1:] if base.__module__.startswith("loopax")]
+    assert bases == []
+
+
+def test_loop_trainer_and_array_dataset_live_in_their_own_rooms():
+    assert loopax.Loop.__module__.startswith("loopax.loop.")
+    assert loopax.Trainer.__module__.startswith("loopax.trainer.")
+    assert loopax.ArrayDataset.__module__.startswith("loopax.data.")
+
+
+def test_no_reach_into_another_objects_private_attributes():
+    reach = []
+    for path, tree in modules():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__") or name in ALLOWED_PRIVATE:
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super":
+                continue
+            if isinstance(owner, ast.Name) and owner.id in ("sys", "os", "threading"):
+                continue  # the interpreter's own, e.g. sys._getframe
+            reach.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not reach, "private attributes of other objects:\n" + "\n".join(reach)
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): count
+        for path, _ in modules()
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split by responsibility): {long}"
+
+
+def test_import_loopax_stays_light():
+    # Checkpoints and TensorBoard load with the hooks that need them, not with `import loopax`.
+    code = (
+        "import sys, loopax\n"
+        "heavy = [m for m in ('orbax.checkpoint', 'tensorboard') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "home"),
+    [
+        ("Loop", "loopax.loop"),
+        ("History", "loopax.loop"),
+        ("Hook", "loopax.loop"),
+        ("HookError", "loopax.loop"),
+        ("Priority", "loopax.loop"),
+        ("Schedule", "loopax.loop"),
+        ("Evaluation", "loopax.loop"),
+        ("NonFiniteLossError", "loopax.loop"),
+        ("ArrayDataset", "loopax.data"),
+        ("Dataset", "loopax.data"),
+        ("IterableDataset", "loopax.data"),
+    ],
+)
+def test_old_import_paths_still_work_with_a_deprecation_warning(name, home):
+    trainer_package = importlib.import_module("loopax.trainer")
+    with pytest.warns(DeprecationWarning, match=rf"loopax\.trainer\.{name} moved to {home}"):
+        moved = getattr(trainer_package, name)
+    assert moved is getattr(loopax, name) is getattr(importlib.import_module(home), name)
+
+
+def test_unknown_names_of_the_trainer_package_still_raise():
+    trainer_package = importlib.import_module("loopax.trainer")
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        trainer_package.Nothing  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "package", ["loopax", "loopax.loop", "loopax.data", "loopax.trainer", "loopax.hooks"]
+)
+def test_every_public_name_resolves_without_warnings(package):
+    module = importlib.import_module(package)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in module.__all__:
+            assert getattr(module, name) is not None, name
+    assert list(module.__all__) == sorted(module.__all__)
