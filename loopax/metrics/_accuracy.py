@@ -17,7 +17,7 @@ scikit-learn), so the result stays a fraction in [0, 1].
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -187,7 +187,44 @@ def binary_logits_correct(
     return _weighted_correct(logit * (label - 0.5) > 0, mask, weights)
 
 
-class SparseCategoricalAccuracy(Mean):
+class _MeanAccuracy(Mean):
+    """A `Mean` of a correctness function (`_correct`), an accuracy shown as a percentage."""
+
+    _correct: Callable[..., Any]
+
+    def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
+        super().__init__(
+            name,
+            functools.partial(self._correct, f"{type(self).__name__} {name!r}"),
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,
+        )
+
+
+class _MovingAccuracy(MovingAverage):
+    """A `MovingAverage` of a correctness function (`_correct`), shown as a percentage."""
+
+    _correct: Callable[..., Any]
+
+    def __init__(
+        self,
+        *,
+        name: str = "Moving Average Accuracy",
+        short_name: str = "~acc",
+        new_example_weight: float = 0.01,
+    ):
+        super().__init__(
+            name,
+            functools.partial(self._correct, f"{type(self).__name__} {name!r}"),
+            new_example_weight=new_example_weight,
+            short_name=short_name,
+            metric_type=ACCURACY_METRIC_TYPE,
+            formatter=format_percent,
+        )
+
+
+class SparseCategoricalAccuracy(_MeanAccuracy):
     """Fraction of examples whose argmax prediction is the integer label.
 
     `labels[0]`: integer class ids `[...]` or `[..., 1]`; `predictions[0]`: logits or
@@ -215,17 +252,10 @@ class SparseCategoricalAccuracy(Mean):
       '100.00%'
     """
 
-    def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(
-            name,
-            functools.partial(sparse_categorical_correct, f"SparseCategoricalAccuracy {name!r}"),
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(sparse_categorical_correct)
 
 
-class BinaryAccuracy(Mean):
+class BinaryAccuracy(_MeanAccuracy):
     """Fraction of binary labels predicted within 0.5 by a probability.
 
     Correct iff `abs(labels[0] - predictions[0]) < 0.5`. Optional bool mask and/or float
@@ -247,17 +277,10 @@ class BinaryAccuracy(Mean):
       '50.00%'
     """
 
-    def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(
-            name,
-            functools.partial(binary_correct, f"BinaryAccuracy {name!r}"),
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(binary_correct)
 
 
-class BinaryLogitsAccuracy(Mean):
+class BinaryLogitsAccuracy(_MeanAccuracy):
     """Fraction of binary labels whose logit has the right sign.
 
     Correct iff `predictions[0] * (labels[0] - 0.5) > 0`. Optional bool mask and/or float
@@ -279,17 +302,10 @@ class BinaryLogitsAccuracy(Mean):
       '50.00%'
     """
 
-    def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(
-            name,
-            functools.partial(binary_logits_correct, f"BinaryLogitsAccuracy {name!r}"),
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(binary_logits_correct)
 
 
-class MovingAverageSparseCategoricalAccuracy(MovingAverage):
+class MovingAverageSparseCategoricalAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `SparseCategoricalAccuracy`.
 
     Same inputs as `SparseCategoricalAccuracy`; averaging as in `MovingAverage`.
@@ -314,26 +330,10 @@ class MovingAverageSparseCategoricalAccuracy(MovingAverage):
       '75.00%'
     """
 
-    def __init__(
-        self,
-        *,
-        name: str = "Moving Average Accuracy",
-        short_name: str = "~acc",
-        new_example_weight: float = 0.01,
-    ):
-        super().__init__(
-            name,
-            functools.partial(
-                sparse_categorical_correct, f"MovingAverageSparseCategoricalAccuracy {name!r}"
-            ),
-            new_example_weight=new_example_weight,
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(sparse_categorical_correct)
 
 
-class MovingAverageBinaryAccuracy(MovingAverage):
+class MovingAverageBinaryAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `BinaryAccuracy` (probability predictions).
 
     State: `MovingAverageState(mean, count)`; partial: `MeanState`.
@@ -356,24 +356,10 @@ class MovingAverageBinaryAccuracy(MovingAverage):
       '25.00%'
     """
 
-    def __init__(
-        self,
-        *,
-        name: str = "Moving Average Accuracy",
-        short_name: str = "~acc",
-        new_example_weight: float = 0.01,
-    ):
-        super().__init__(
-            name,
-            functools.partial(binary_correct, f"MovingAverageBinaryAccuracy {name!r}"),
-            new_example_weight=new_example_weight,
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(binary_correct)
 
 
-class MovingAverageBinaryLogitsAccuracy(MovingAverage):
+class MovingAverageBinaryLogitsAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `BinaryLogitsAccuracy` (logit predictions).
 
     State: `MovingAverageState(mean, count)`; partial: `MeanState`.
@@ -394,18 +380,4 @@ class MovingAverageBinaryLogitsAccuracy(MovingAverage):
       '50.00%'
     """
 
-    def __init__(
-        self,
-        *,
-        name: str = "Moving Average Accuracy",
-        short_name: str = "~acc",
-        new_example_weight: float = 0.01,
-    ):
-        super().__init__(
-            name,
-            functools.partial(binary_logits_correct, f"MovingAverageBinaryLogitsAccuracy {name!r}"),
-            new_example_weight=new_example_weight,
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,  # an accuracy reads as a percentage: `93.41%`
-        )
+    _correct = staticmethod(binary_logits_correct)
