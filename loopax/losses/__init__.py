@@ -2,8 +2,8 @@
 
 Each loss uses `labels[0]` and `predictions[0]`. Extra labels may be a boolean mask and/or
 float weights (any order): the per-element loss is multiplied by the weights, and with a mask
-the mean is over the masked-in entries only. Losses compute in float32 and return the
-predictions' dtype.
+the mean is over the masked-in entries only (0 when none is). Losses compute in float32 and
+return the predictions' dtype.
 """
 
 from ._adaptive_power import adaptive_power_loss as adaptive_power_loss

@@ -3,6 +3,8 @@
 The `_logits` variants are the numerically stable ones (finite for logits of +-1e4); the
 probability variants clip predictions to `[EPSILON, 1 - EPSILON]` so that `log(0)` never
 happens.
+
+Masks, weights and the result's dtype: see `loopax.losses`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ def binary_crossentropy(labels: Sequence[jax.Array], predictions: Sequence[jax.A
         predictions: `[probabilities]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32). With a mask, the
-        mean is over the masked-in elements only, and 0 if none is.
+        The scalar loss (dtype, masks and weights: see the module docs).
 
     Raises:
         ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
@@ -80,8 +81,7 @@ def binary_crossentropy_logits(
         predictions: `[logits]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32). With a mask, the
-        mean is over the masked-in elements only, and 0 if none is.
+        The scalar loss (dtype, masks and weights: see the module docs).
 
     Raises:
         ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
@@ -141,9 +141,7 @@ def categorical_crossentropy(
         predictions: `[probabilities]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32): the mean over
-        examples of the per-example cross-entropy. With a mask, the mean is over the
-        masked-in examples only, and 0 if none is.
+        The scalar loss: the mean of the per-example cross-entropies (see the module docs).
 
     Raises:
         ValueError: if shapes differ, the predictions are a scalar, or an extra label has an
@@ -176,9 +174,7 @@ def categorical_crossentropy_logits(
         predictions: `[logits]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32): the mean over
-        examples of the per-example cross-entropy. With a mask, the mean is over the
-        masked-in examples only, and 0 if none is.
+        The scalar loss: the mean of the per-example cross-entropies (see the module docs).
 
     Raises:
         ValueError: if shapes differ, the predictions are a scalar, or an extra label has an

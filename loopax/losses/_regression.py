@@ -1,4 +1,7 @@
-"""Regression losses: mean squared error, mean absolute error and Huber."""
+"""Regression losses: mean squared error, mean absolute error and Huber.
+
+Masks, weights and the result's dtype: see `loopax.losses`.
+"""
 
 from __future__ import annotations
 
@@ -46,8 +49,7 @@ def mean_squared_error(labels: Sequence[jax.Array], predictions: Sequence[jax.Ar
         predictions: `[predictions]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32). With a mask, the
-        mean is over the masked-in elements only, and 0 if none is.
+        The scalar loss (dtype, masks and weights: see the module docs).
 
     Raises:
         ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
@@ -70,8 +72,7 @@ def mean_absolute_error(labels: Sequence[jax.Array], predictions: Sequence[jax.A
         predictions: `[predictions]`, the same shape as the targets.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32). With a mask, the
-        mean is over the masked-in elements only, and 0 if none is.
+        The scalar loss (dtype, masks and weights: see the module docs).
 
     Raises:
         ValueError: if shapes differ or an extra label has an unexpected shape or dtype.

@@ -2,8 +2,14 @@
 
 Every factory returns a plain ``optax.GradientTransformation`` built with
 ``optax.inject_hyperparams``, so the learning rate lives in the optimizer state's
-``hyperparams`` dict: readable for logging and replaceable at run time without
-recompiling (see ``get_learning_rate`` / ``set_learning_rate``).
+``hyperparams`` dict (``hyperparams["learning_rate"]``): readable for logging and
+replaceable at run time without recompiling (see ``get_learning_rate`` /
+``set_learning_rate``).
+
+Every factory also takes ``clip_value`` (clip each gradient element to
+``[-clip_value, clip_value]`` before the optimizer) and ``clip_global_norm`` (rescale the
+gradients so that their global norm is at most ``clip_global_norm``, after ``clip_value``);
+None (the default) for no clipping, a non-positive threshold raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,15 @@ def _clipping(
     return transforms
 
 
+def _check_momentum(optimizer: str, momentum: float | None, nesterov: bool) -> None:
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(
+            f"{optimizer}: momentum={momentum!r} must be in [0, 1), or None for no momentum."
+        )
+    if nesterov and momentum is None:
+        raise ValueError(f"{optimizer}: nesterov=True needs a momentum, e.g. momentum=0.9.")
+
+
 def _build(
     optimizer: str,
     factory: Callable[..., optax.GradientTransformation],
@@ -88,14 +103,11 @@ def sgd(
         learning_rate: a non-negative float, or a schedule of the step count.
         momentum: the momentum decay in ``[0, 1)``, or None for plain SGD.
         nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
-            before the optimizer.
-        clip_global_norm: if given, rescale gradients so that their global norm is at most
-            ``clip_global_norm`` (applied after ``clip_value``).
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
+        clip_global_norm: cap the gradients' global norm (see the module docs).
 
     Returns:
-        An ``optax.GradientTransformation`` whose state holds the learning rate under
-        ``hyperparams["learning_rate"]``.
+        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
 
     Raises:
         ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
@@ -110,10 +122,7 @@ def sgd(
         >>> updates.tolist()
         [-0.5, 0.5]
     """
-    if momentum is not None and not 0.0 <= momentum < 1.0:
-        raise ValueError(f"sgd: momentum={momentum!r} must be in [0, 1), or None for no momentum.")
-    if nesterov and momentum is None:
-        raise ValueError("sgd: nesterov=True needs a momentum, e.g. momentum=0.9.")
+    _check_momentum("sgd", momentum, nesterov)
     return _build(
         "sgd",
         optax.sgd,
@@ -141,14 +150,11 @@ def adam(
         b1: exponential decay rate of the first moment estimate.
         b2: exponential decay rate of the second moment estimate.
         eps: added to the denominator for numerical stability.
-        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
-            before the optimizer.
-        clip_global_norm: if given, rescale gradients so that their global norm is at most
-            ``clip_global_norm`` (applied after ``clip_value``).
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
+        clip_global_norm: cap the gradients' global norm (see the module docs).
 
     Returns:
-        An ``optax.GradientTransformation`` whose state holds the learning rate under
-        ``hyperparams["learning_rate"]``.
+        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
 
     Raises:
         ValueError: for a negative learning rate or a non-positive clipping threshold.
@@ -198,14 +204,11 @@ def adamw(
         eps: added to the denominator for numerical stability.
         mask: optional pytree of booleans (or a function of the params returning one)
             selecting which parameters are decayed; None decays all.
-        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
-            before the optimizer.
-        clip_global_norm: if given, rescale gradients so that their global norm is at most
-            ``clip_global_norm`` (applied after ``clip_value``).
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
+        clip_global_norm: cap the gradients' global norm (see the module docs).
 
     Returns:
-        An ``optax.GradientTransformation`` whose state holds the learning rate under
-        ``hyperparams["learning_rate"]``.
+        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
 
     Raises:
         ValueError: for a negative learning rate or weight decay, or a non-positive
@@ -259,14 +262,11 @@ def rmsprop(
         momentum: the momentum decay in ``[0, 1)``, or None for none.
         centered: normalize by the estimated variance instead of the second moment.
         nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: if given, clip each gradient element to ``[-clip_value, clip_value]``
-            before the optimizer.
-        clip_global_norm: if given, rescale gradients so that their global norm is at most
-            ``clip_global_norm`` (applied after ``clip_value``).
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
+        clip_global_norm: cap the gradients' global norm (see the module docs).
 
     Returns:
-        An ``optax.GradientTransformation`` whose state holds the learning rate under
-        ``hyperparams["learning_rate"]``.
+        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
 
     Raises:
         ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
@@ -281,12 +281,7 @@ def rmsprop(
         >>> round(updates.tolist()[0], 4)  # -lr * g / sqrt((1 - decay) * g**2)
         -0.02
     """
-    if momentum is not None and not 0.0 <= momentum < 1.0:
-        raise ValueError(
-            f"rmsprop: momentum={momentum!r} must be in [0, 1), or None for no momentum."
-        )
-    if nesterov and momentum is None:
-        raise ValueError("rmsprop: nesterov=True needs a momentum, e.g. momentum=0.9.")
+    _check_momentum("rmsprop", momentum, nesterov)
     return _build(
         "rmsprop",
         optax.rmsprop,
