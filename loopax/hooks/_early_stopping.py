@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from ..loop import Loop, Priority
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of
 
 if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
+    from ..trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 

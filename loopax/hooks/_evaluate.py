@@ -11,12 +11,10 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from ..data._datasets import dataset_name
-from ..loop._history import Evaluation
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNEpochs, EveryNSteps, NTimes
+from ..loop import Evaluation, Loop, Priority
+from ..loop._internal import dataset_name
 from ._metric_info import eval_metric_infos, is_writer_process
+from ._schedules import EveryNEpochs, EveryNSteps, NTimes
 from ._triggers import on_schedule
 
 # `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule

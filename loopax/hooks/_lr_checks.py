@@ -7,10 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
-from ._loop_schedules import FirstNSteps
+from ..loop import Loop, Priority
+from ..optimizers import get_learning_rate, set_learning_rate
+from ._schedules import FirstNSteps
 from ._train_state import state_of
 
 _FIX = (

@@ -6,10 +6,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNEpochs
+from ..loop import Loop, Priority
 from ._points import PointsFile, format_from_path, points_of
+from ._schedules import EveryNEpochs
 from ._writers import MetricWriter, write_metrics
 
 

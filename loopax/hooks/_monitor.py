@@ -12,8 +12,8 @@ import numbers
 import warnings
 from typing import Any
 
-from ..loop._history import Evaluation, train_key
-from ..loop._loop import Loop
+from ..loop import Evaluation, Loop
+from ..loop._internal import train_key
 from ._metric_info import describe_key, split_eval_key
 
 MODES = ("auto", "min", "max")

@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from ..loop import Loop, Priority
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
 from ._monitor import MetricMonitor, check_count, check_number
 from ._train_state import state_of
 
 if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
+    from ..trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 

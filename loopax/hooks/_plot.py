@@ -14,12 +14,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from ..loop import Loop, Priority
 from ._evaluate import EVALUATED_DATASETS, check_datasets
-from ._loop_schedules import Exponential
 from ._metric_info import is_writer_process
 from ._points import Point, PointsFile, points_of
+from ._schedules import Exponential
 from ._triggers import on_schedule
 from ._writers import MetricWriter, write_metrics
 

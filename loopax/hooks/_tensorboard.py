@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNSteps, FirstNSteps
+from ..loop import Loop, Priority
 from ._metric_info import is_writer_process
+from ._schedules import EveryNSteps, FirstNSteps
 from ._writers import MetricWriter, Waiter, write_metrics
 
 RUN_SUMMARY_TAG = "run/summary"

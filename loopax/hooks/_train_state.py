@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..trainer._state import TrainState
+from ..trainer import TrainState
 
 
 def state_of(trainer: Any, hook: str) -> TrainState:

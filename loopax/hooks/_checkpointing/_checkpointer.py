@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ...loop._finite import NonFiniteLossError
-from ...loop._loop import Loop
-from ...trainer._state import first_non_finite
+from ...loop import Loop, NonFiniteLossError
+from ...loop._internal import first_non_finite
 from .._metric_info import split_eval_key
 from ._checks import check_best_metric as _check_best_metric
 from ._checks import check_count as _check_count
@@ -48,7 +47,7 @@ from ._io import (
 from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 
 if TYPE_CHECKING:
-    from ...trainer._trainer import Trainer
+    from ...trainer import Trainer
 
 _logger = logging.getLogger(__name__)
 

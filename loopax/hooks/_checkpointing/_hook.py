@@ -8,9 +8,8 @@ from collections.abc import Callable
 
 import jax  # noqa: F401  (the doctest's namespace)
 
-from ...loop._hook import Priority
-from ...loop._loop import Loop
-from .._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
+from ...loop import Loop, Priority
+from .._schedules import EveryNEpochs, EveryNSteps, Periodic
 from .._triggers import on_schedule
 from ._checkpointer import Checkpointer
 
