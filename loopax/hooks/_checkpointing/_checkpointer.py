@@ -64,6 +64,10 @@ class NoGoodCheckpointError(RuntimeError):
 class Checkpointer:
     """Saves and restores a `Loop`'s whole training state with Orbax; see `checkpoint`.
 
+    `checkpoint` attaches one: it registers `on_start`, `save_on_trigger` (on each save
+    schedule), `on_end` and `on_error` on the loop, which a custom setup may register itself
+    the same way.
+
     Attributes:
       directory: the absolute checkpoint directory.
       restored_step: the step restored when attached (or by `restore`), or None.
@@ -370,9 +374,15 @@ class Checkpointer:
         step = self.best_step()
         return None if step is None else self.restore(step)
 
-    # -- hooks ----------------------------------------------------------------------------------
+    # -- hooks: what `checkpoint` registers on the loop ------------------------------------------
 
-    def _on_start(self, loop: Loop, dataset: Any) -> None:
+    def on_start(self, loop: Loop, dataset: Any) -> None:
+        """OnStart: restores the dataset position of the restored checkpoint, if any.
+
+        Registered at `Priority.VALIDATE`, before the other OnStart hooks, so that they see
+        the restored position. Warns (and leaves the dataset where it is) when the
+        checkpoint holds the position of another dataset or the dataset has no `set_state`.
+        """
         self._dataset = dataset
         saved, self._pending_datasets = self._pending_datasets, None
         if not saved:
@@ -390,16 +400,27 @@ class Checkpointer:
                 stacklevel=2,
             )
 
-    def _save_on_trigger(self, loop: Loop, metrics: Any) -> None:
+    def save_on_trigger(self, loop: Loop, metrics: Any) -> None:
+        """OnStep (or OnEpochEnd) at the steps of a save schedule: `save()`.
+
+        Registered with `check_finite=False`: `save` checks the losses itself, first (a
+        `nan_guard` may roll back there).
+        """
         self.save()
 
-    def _on_end(self, loop: Loop, metrics: Any) -> None:
+    def on_end(self, loop: Loop, metrics: Any) -> None:
+        """OnEnd: saves the last step, then waits for the saves once every OnEnd hook ran.
+
+        The wait comes after the other OnEnd hooks wrote their last points (and the commit
+        ran), so a run ends with its checkpoints and logs on disk.
+        """
         if self.trainer.state is not None:
             self.save()
         # After the other OnEnd hooks wrote their last points (and the commit ran).
         loop.call_after_hooks(self.wait)
 
-    def _on_error(self, loop: Loop, error: BaseException) -> None:
+    def on_error(self, loop: Loop, error: BaseException) -> None:
+        """OnError: drops a save not yet committed and waits for the saves in flight."""
         self._pending_save = None
         self.wait_quietly()
 
