@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from ..loop import Loop, Priority
 from ..optimizers import get_learning_rate, set_learning_rate
+from ..trainer import Trainer
 from ._schedules import FirstNSteps
 from ._train_state import state_of
 
@@ -39,7 +40,7 @@ def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
         ) from err
 
 
-def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> bool:
+def check_adjustable_learning_rate(trainer: Trainer, what: str, note: str = "") -> bool:
     """Checks the trainer's optimizer now if possible.
 
     With its state, or initialized on stand-in parameters. Returns False when only the real

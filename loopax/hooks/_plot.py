@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._evaluate import EVALUATED_DATASETS, check_datasets
 from ._metric_info import is_writer_process
 from ._points import Point, PointsFile, points_of
@@ -113,7 +114,7 @@ class Plotter(MetricWriter):
 
     points_path: str
 
-    def __init__(self, directory: str, trainer: Any, render: bool):
+    def __init__(self, directory: str, trainer: Trainer, render: bool):
         self.directory = directory
         self.trainer = trainer
         self.render_pngs = render

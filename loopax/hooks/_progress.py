@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._metric_info import is_writer_process, train_metric_infos
 from ._schedules import ClockSchedule
 
@@ -111,7 +112,7 @@ class ProgressBar:
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: Trainer,
         refresh_seconds: float,
         clock: Callable[[], float],
         file: TextIO | None,

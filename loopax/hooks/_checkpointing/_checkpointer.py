@@ -22,15 +22,16 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
+from ..._validate import optional_positive_int, positive_int
 from ...loop import Loop, NonFiniteLossError
 from ...loop._internal import first_non_finite
+from ...trainer import Trainer
 from .._metric_info import split_eval_key
 from ._checks import check_best_metric as _check_best_metric
-from ._checks import check_count as _check_count
 from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
 from ._format import STATE_ITEM as _STATE_ITEM
 from ._format import check_directory as _check_directory
@@ -45,9 +46,6 @@ from ._io import (
     set_aside_entries,
 )
 from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
-
-if TYPE_CHECKING:
-    from ...trainer import Trainer
 
 _logger = logging.getLogger(__name__)
 
@@ -96,9 +94,9 @@ class Checkpointer:
         self._ocp = ocp
         self.loop = loop
         self.trainer = loop.trainer
-        self.keep = _check_count("keep", keep, allow_none=True)
-        self.keep_best = _check_count("keep_best", keep_best, allow_none=False)
-        self.keep_period = _check_count("keep_period", keep_period, allow_none=True)
+        self.keep = optional_positive_int("keep", keep)
+        self.keep_best = positive_int("keep_best", keep_best)
+        self.keep_period = optional_positive_int("keep_period", keep_period)
         _check_best_metric(best_metric, best_mode, self.trainer)
         self.best_metric = best_metric
         self.best_mode = best_mode
