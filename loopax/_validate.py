@@ -36,6 +36,26 @@ def positive_int(argument: str, value: Any, where: str = "") -> int:
     return int(value)
 
 
+def optional_positive_int(argument: str, value: Any, where: str = "") -> int | None:
+    """`value` as an int >= 1, or None where None means "no limit".
+
+    Example:
+      >>> optional_positive_int("keep", None) is None
+      True
+      >>> optional_positive_int("keep", 0)
+      Traceback (most recent call last):
+      ...
+      ValueError: keep must be a positive int or None, got keep=0
+    """
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(
+            f"{where}{argument} must be a positive int or None, got {argument}={value!r}"
+        )
+    return int(value)
+
+
 def non_negative_int(argument: str, value: Any, where: str = "") -> int:
     """`value` as an int >= 0.
 

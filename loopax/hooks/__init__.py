@@ -1,7 +1,7 @@
 """Schedules, trigger helpers and ready hooks for `loopax.Loop`."""
 
-from ..loop._hook import AnyOf as AnyOf
-from ..loop._hook import Schedule as Schedule
+from ..loop import Schedule as Schedule
+from ..loop._internal import AnyOf as AnyOf
 from ._checkpointing._checkpointer import Checkpointer as Checkpointer
 from ._checkpointing._checkpointer import NoGoodCheckpointError as NoGoodCheckpointError
 from ._checkpointing._hook import checkpoint as checkpoint
@@ -12,13 +12,6 @@ from ._early_stopping import early_stopping as early_stopping
 from ._evaluate import Evaluator as Evaluator
 from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
-from ._loop_schedules import AtSteps as AtSteps
-from ._loop_schedules import EveryNEpochs as EveryNEpochs
-from ._loop_schedules import EveryNSteps as EveryNSteps
-from ._loop_schedules import Exponential as Exponential
-from ._loop_schedules import FirstNSteps as FirstNSteps
-from ._loop_schedules import NTimes as NTimes
-from ._loop_schedules import Periodic as Periodic
 from ._metrics_log import MetricsLog as MetricsLog
 from ._metrics_log import metrics_log as metrics_log
 from ._nan_guard import NanGuard as NanGuard
@@ -29,6 +22,13 @@ from ._plot import Plotter as Plotter
 from ._plot import plot as plot
 from ._progress import ProgressBar as ProgressBar
 from ._progress import progress_bar as progress_bar
+from ._schedules import AtSteps as AtSteps
+from ._schedules import EveryNEpochs as EveryNEpochs
+from ._schedules import EveryNSteps as EveryNSteps
+from ._schedules import Exponential as Exponential
+from ._schedules import FirstNSteps as FirstNSteps
+from ._schedules import NTimes as NTimes
+from ._schedules import Periodic as Periodic
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._tensorboard import tensorboard as tensorboard
 from ._triggers import at_steps as at_steps

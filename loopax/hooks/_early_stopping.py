@@ -9,18 +9,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._monitor import MetricMonitor, check_count, check_number
+from .._validate import non_negative_int
+from ..loop import Loop, Priority
+from ..trainer import Trainer
+from ._monitor import MetricMonitor, check_number
 from ._train_state import state_of
-
-if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -73,7 +71,7 @@ class EarlyStopping(MetricMonitor):
         restore_best: bool,
     ):
         super().__init__(loop, "early_stopping", monitor, mode, min_delta)
-        self.patience = check_count("early_stopping", "patience", patience)
+        self.patience = non_negative_int("patience", patience, "early_stopping: ")
         self.baseline = (
             None
             if baseline is None
@@ -162,7 +160,7 @@ class EarlyStopping(MetricMonitor):
             return
         self._put_back_training_params(loop.trainer)
 
-    def _put_back_training_params(self, trainer: Any) -> None:
+    def _put_back_training_params(self, trainer: Trainer) -> None:
         """The next run continues the training from its own last parameters.
 
         Not from the best ones shown between runs: chunked runs equal one long run (and a resumed

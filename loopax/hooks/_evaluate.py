@@ -11,12 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from ..data._datasets import dataset_name
-from ..loop._history import Evaluation
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNEpochs, EveryNSteps, NTimes
+from ..loop import Evaluation, Loop, Priority
+from ..loop._internal import dataset_name
+from ..trainer import Trainer
 from ._metric_info import eval_metric_infos, is_writer_process
+from ._schedules import EveryNEpochs, EveryNSteps, NTimes
 from ._triggers import on_schedule
 
 # `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule
@@ -55,7 +54,7 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
     return datasets
 
 
-def format_results(trainer: Any, name: str, results: dict[str, float]) -> str:
+def format_results(trainer: Trainer, name: str, results: dict[str, float]) -> str:
     r"""`Results on <name>:` then one `\t<Name> (<short>): <value>` line per eval metric."""
     lines = [f"Results on {name}:"]
     for info in eval_metric_infos(trainer):
@@ -183,7 +182,7 @@ def evaluate(
 
 
 def report_eval(
-    trainer: Any, *datasets: Any, file: TextIO | None = None
+    trainer: Trainer, *datasets: Any, file: TextIO | None = None
 ) -> dict[str, dict[str, float]]:
     r"""Evaluates each dataset and prints the results in GoMLX's format.
 

@@ -7,10 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ..optimizers._learning_rate import get_learning_rate, set_learning_rate
-from ._loop_schedules import FirstNSteps
+from ..loop import Loop, Priority
+from ..optimizers import get_learning_rate, set_learning_rate
+from ..trainer import Trainer
+from ._schedules import FirstNSteps
 from ._train_state import state_of
 
 _FIX = (
@@ -40,7 +40,7 @@ def check_optimizer_state(opt_state: Any, what: str, note: str = "") -> None:
         ) from err
 
 
-def check_adjustable_learning_rate(trainer: Any, what: str, note: str = "") -> bool:
+def check_adjustable_learning_rate(trainer: Trainer, what: str, note: str = "") -> bool:
     """Checks the trainer's optimizer now if possible.
 
     With its state, or initialized on stand-in parameters. Returns False when only the real

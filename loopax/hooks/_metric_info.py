@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from ..metrics import format_number
+from ..trainer import Trainer
 
 LOSS_METRIC_TYPE = "loss"
 
@@ -65,19 +66,19 @@ def _describe(key: str, metric: Any | None) -> MetricInfo:
     return MetricInfo(key, key, short_name, metric_type, pretty_print)
 
 
-def train_metric_infos(trainer: Any) -> tuple[MetricInfo, ...]:
+def train_metric_infos(trainer: Trainer) -> tuple[MetricInfo, ...]:
     """Describes the trainer's train metrics, in the order `train_step` returns them."""
     by_name = {metric.name: metric for metric in trainer.train_metrics}
     return tuple(_describe(key, by_name.get(key)) for key in trainer.train_metric_names)
 
 
-def eval_metric_infos(trainer: Any) -> tuple[MetricInfo, ...]:
+def eval_metric_infos(trainer: Trainer) -> tuple[MetricInfo, ...]:
     """Describes the trainer's eval metrics, in the order `evaluate` returns them."""
     by_name = {metric.name: metric for metric in trainer.eval_metrics}
     return tuple(_describe(key, by_name.get(key)) for key in trainer.eval_metric_names)
 
 
-def describe_key(trainer: Any, key: str) -> MetricInfo:
+def describe_key(trainer: Trainer, key: str) -> MetricInfo:
     """Describes the metric behind a key `"train/<metric>"` or `"eval/<dataset>/<metric>"`.
 
     Example:
@@ -101,7 +102,7 @@ def describe_key(trainer: Any, key: str) -> MetricInfo:
     return MetricInfo(key, key, key.rsplit("/", 1)[-1], key.rsplit("/", 1)[-1], format_number)
 
 
-def split_eval_key(trainer: Any, key: str) -> tuple[str, str] | None:
+def split_eval_key(trainer: Trainer, key: str) -> tuple[str, str] | None:
     """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, else None.
 
     The key must name one of the trainer's eval metrics (dataset names may hold `/`).

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNEpochs
+from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._points import PointsFile, format_from_path, points_of
+from ._schedules import EveryNEpochs
 from ._writers import MetricWriter, write_metrics
 
 
@@ -30,7 +29,7 @@ class MetricsLog(MetricWriter):
     path: str
     file_format: str
 
-    def __init__(self, path: str, file_format: str, trainer: Any):
+    def __init__(self, path: str, file_format: str, trainer: Trainer):
         self.file = PointsFile(path, file_format)
         self.path = self.file.path
         self.file_format = self.file.file_format

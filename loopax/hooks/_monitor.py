@@ -12,19 +12,13 @@ import numbers
 import warnings
 from typing import Any
 
-from ..loop._history import Evaluation, train_key
-from ..loop._loop import Loop
+from ..loop import Evaluation, Loop
+from ..loop._internal import train_key
+from ..trainer import Trainer
 from ._metric_info import describe_key, split_eval_key
 
 MODES = ("auto", "min", "max")
 _AUTO_MODES = {"loss": "min", "accuracy": "max"}  # metric_type -> mode for mode="auto"
-
-
-def check_count(hook: str, argument: str, value: Any) -> int:
-    """`value` as an int >= 0, or a ValueError naming the hook and the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{hook}: {argument} must be an int >= 0, got {argument}={value!r}")
-    return int(value)
 
 
 def check_number(hook: str, argument: str, value: Any, *, minimum: float | None = 0.0) -> float:
@@ -36,7 +30,7 @@ def check_number(hook: str, argument: str, value: Any, *, minimum: float | None 
     return float(value)
 
 
-def resolve_monitor(trainer: Any, monitor: Any, hook: str) -> tuple[str | None, str]:
+def resolve_monitor(trainer: Trainer, monitor: Any, hook: str) -> tuple[str | None, str]:
     """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, or of a `"train/<metric>"` key.
 
     A `"train/<metric>"` key gives `(None, metric)`; the metric must be one of the trainer's.
@@ -61,7 +55,7 @@ def resolve_monitor(trainer: Any, monitor: Any, hook: str) -> tuple[str | None, 
     )
 
 
-def resolve_mode(trainer: Any, monitor: str, mode: Any, hook: str) -> str:
+def resolve_mode(trainer: Trainer, monitor: str, mode: Any, hook: str) -> str:
     """`"min"` or `"max"`: `mode`, or for `"auto"` the one the metric's type implies.
 
     `"loss"` -> min, `"accuracy"` -> max.

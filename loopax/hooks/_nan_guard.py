@@ -19,12 +19,10 @@ import math
 import numbers
 from typing import Any
 
-from ..loop._finite import NonFiniteLossError
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from .._validate import positive_int
+from ..loop import Loop, NonFiniteLossError, Priority
 from ._checkpointing._checkpointer import CHECKPOINTERS
 from ._lr_checks import require_adjustable_learning_rate
-from ._schedules import _check_positive_int
 
 
 class NanGuard:
@@ -164,8 +162,8 @@ def nan_guard(
       ValueError: bad counts or factor; an optimizer whose learning rate cannot change with
         `lr_factor != 1`. At the start of a run with `rollback=True`: no checkpoint hook.
     """
-    max_skips = _check_positive_int("max_skips", max_skips)
-    max_rollbacks = _check_positive_int("max_rollbacks", max_rollbacks)
+    max_skips = positive_int("max_skips", max_skips)
+    max_rollbacks = positive_int("max_rollbacks", max_rollbacks)
     if (
         isinstance(lr_factor, bool)
         or not isinstance(lr_factor, numbers.Real)

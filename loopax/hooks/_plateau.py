@@ -8,18 +8,16 @@ value of an input of the compiled step: nothing is compiled again.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from .._validate import non_negative_int
+from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
-from ._monitor import MetricMonitor, check_count, check_number
+from ._monitor import MetricMonitor, check_number
 from ._train_state import state_of
-
-if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
 
 _logger = logging.getLogger("loopax")
 
@@ -72,8 +70,8 @@ class ReduceLROnPlateau(MetricMonitor):
                 f"factor={factor!r}"
             )
         self.factor = factor
-        self.patience = check_count(_HOOK, "patience", patience)
-        self.cooldown = check_count(_HOOK, "cooldown", cooldown)
+        self.patience = non_negative_int("patience", patience, f"{_HOOK}: ")
+        self.cooldown = non_negative_int("cooldown", cooldown, f"{_HOOK}: ")
         self.min_lr = check_number(_HOOK, "min_lr", min_lr)
         self.trainer = loop.trainer
         self.cooldown_counter = 0

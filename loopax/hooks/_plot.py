@@ -14,12 +14,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
+from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._evaluate import EVALUATED_DATASETS, check_datasets
-from ._loop_schedules import Exponential
 from ._metric_info import is_writer_process
 from ._points import Point, PointsFile, points_of
+from ._schedules import Exponential
 from ._triggers import on_schedule
 from ._writers import MetricWriter, write_metrics
 
@@ -114,7 +114,7 @@ class Plotter(MetricWriter):
 
     points_path: str
 
-    def __init__(self, directory: str, trainer: Any, render: bool):
+    def __init__(self, directory: str, trainer: Trainer, render: bool):
         self.directory = directory
         self.trainer = trainer
         self.render_pngs = render

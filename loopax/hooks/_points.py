@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..trainer import Trainer
 from ._metric_info import describe_key
 
 Point = dict[str, Any]
@@ -24,7 +25,7 @@ FIELDS: tuple[str, ...] = ("metric", "short", "type", "step", "value")
 FORMATS = ("jsonl", "csv")
 
 
-def points_of(trainer: Any, step: int, scalars: Mapping[str, float]) -> list[Point]:
+def points_of(trainer: Trainer, step: int, scalars: Mapping[str, float]) -> list[Point]:
     """One point per finite scalar (`{key: value}`), described by its key."""
     points = []
     for key, value in scalars.items():

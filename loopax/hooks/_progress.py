@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import ClockSchedule
+from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._metric_info import is_writer_process, train_metric_infos
+from ._schedules import ClockSchedule
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
 _NO_BAR_FORMAT = "{percentage:3.0f}% {status}"
@@ -112,7 +112,7 @@ class ProgressBar:
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: Trainer,
         refresh_seconds: float,
         clock: Callable[[], float],
         file: TextIO | None,

@@ -1,280 +1,356 @@
-"""Pure trigger rules: *when* a hook fires, separate from *what* it does.
+"""The schedules: when a hook runs, as `Schedule` objects for `when=`.
 
-Each rule answers one question over integers (steps) or seconds, with no reference to a
-`Loop`. The loop-facing schedules of `_triggers` (`EveryNSteps`, `NTimes`, ...) wrap them, so
-every ready hook (checkpoint, tensorboard, plot, ...) reuses the same rules instead of
-re-implementing a step counter.
+Each asks one function of `_schedule_math` (or a clock) both where it may fire next
+(`next_step`: the loop asks a step schedule only from the step it names) and whether it
+fires (`should_fire`), and carries its position across a checkpoint resume
+(`get_state`/`set_state`).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
-# Points at which `NTimesRule` fires while the length of the run is unknown: done = 128, 256, ...
-_FIRST_POINT_WHILE_END_UNKNOWN = 128
+from .._validate import positive_int
+from ..loop import RunInfo, Schedule
+from ..loop._internal import NEVER
+from ._schedule_math import (
+    every_n_next,
+    exponential_from,
+    n_times_next,
+    round_half_away_from_zero,
+)
 
 
-def _check_positive_int(argument: str, value: object) -> int:
-    """Returns `value` as an int, or raises ValueError naming `argument` and `value`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"{argument} must be a positive int, got {value!r} of type {type(value).__name__}; "
-            f"pass an int such as {argument}=10"
+def _finite_above(value: Any, bound: float) -> bool:
+    """Whether `value` is a finite real number (not a bool) greater than `bound`."""
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return is_real and math.isfinite(value) and float(value) > bound
+
+
+class EveryNSteps(Schedule):
+    """Fires at step k iff `(k + 1) % n == 0`, i.e. at global steps that are multiples of n.
+
+    Aligned to the global step, so a resumed run fires where an uninterrupted one would.
+    Stateless.
+
+    Raises:
+      ValueError: `n` is not a positive int.
+
+    Example:
+      >>> import types
+      >>> every = EveryNSteps(10)
+      >>> run = types.SimpleNamespace(start_step=0, end_step=35, loop_step=19, epoch=0)
+      >>> every.next_step(run, 10), every.should_fire(run)
+      (19, True)
+    """
+
+    n: int
+
+    def __init__(self, n: int):
+        self.n = positive_int("n", n)
+
+    def next_step(self, run: RunInfo, step: int) -> int:
+        return every_n_next(self.n, step)
+
+    def should_fire(self, run: RunInfo) -> bool:
+        return every_n_next(self.n, run.loop_step) == run.loop_step
+
+    def __repr__(self) -> str:
+        return f"every_n_steps({self.n})"
+
+
+class NTimes(Schedule):
+    """Fires at most n times per run, evenly spaced, always at the run's last step.
+
+    For a run of T known steps from `start_step`, fires where `k - start_step + 1` equals
+    `ceil(i * T / n)` for i = 1..n (every step when T <= n). While the end is unknown (first
+    epoch of `run_epochs`) fires after 128, 256, 512, ... steps of the run; once the end is
+    known, continues with the even points. A run resumed from a checkpoint that ends at the
+    same `end_step` keeps the original run's points.
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+
+    n: int
+    run_end_step: int
+
+    def __init__(self, n: int):
+        self.n = positive_int("n", n)
+        self.run_start_step: int | None = None
+        self.run_end_step = -1
+        self._restored: dict[str, int] | None = None
+
+    def start_run(self, run: RunInfo) -> None:
+        restored, self._restored = self._restored, None
+        self.run_start_step = run.start_step
+        self.run_end_step = run.end_step
+        if (
+            restored is not None
+            and restored["end_step"] >= 0
+            and restored["end_step"] == run.end_step
+            and restored["start_step"] <= run.start_step < restored["end_step"]
+        ):
+            # Resuming the same run: keep its firing points.
+            self.run_start_step = restored["start_step"]
+
+    def next_step(self, run: RunInfo, step: int) -> int:
+        start = self.run_start_step
+        assert start is not None, "start_run was not called"
+        self.run_end_step = run.end_step
+        total = None if run.end_step < 0 else run.end_step - start
+        point = n_times_next(self.n, step - start + 1, total)
+        return NEVER if point is None else start + point - 1
+
+    def should_fire(self, run: RunInfo) -> bool:
+        return self.next_step(run, run.loop_step) == run.loop_step
+
+    def get_state(self) -> dict[str, Any]:
+        if self.run_start_step is None:
+            return {}
+        return {"start_step": self.run_start_step, "end_step": self.run_end_step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._restored = (
+            {"start_step": int(state["start_step"]), "end_step": int(state["end_step"])}
+            if state
+            else None
         )
-    if value <= 0:
-        raise ValueError(f"{argument} must be a positive int, got {argument}={value}")
-    return int(value)
-
-
-def round_half_away_from_zero(value: float) -> int:
-    """Rounds to the nearest int, ties away from zero (unlike Python's banker's `round`).
-
-    Example:
-      >>> round_half_away_from_zero(2.5), round_half_away_from_zero(-2.5), round(2.5)
-      (3, -3, 2)
-    """
-    return int(math.copysign(math.floor(abs(value) + 0.5), value))
-
-
-class EveryNStepsRule:
-    """Fires at step k iff `(k + 1) % n == 0`: aligned to the global step, so resumes agree.
-
-    Stateless: a resumed run fires at the same steps as an uninterrupted one.
-
-    Args:
-      n: the period in steps, a positive int.
-
-    Raises:
-      ValueError: if `n` is not a positive int.
-
-    Example:
-      >>> schedule = EveryNStepsRule(10)
-      >>> [step for step in range(35) if schedule.should_fire(step)]
-      [9, 19, 29]
-    """
-
-    n: int
-
-    def __init__(self, n: int):
-        self.n = _check_positive_int("n", n)
-
-    def should_fire(self, step: int) -> bool:
-        """Whether to fire after 0-based `step` has run."""
-        return (step + 1) % self.n == 0
 
     def __repr__(self) -> str:
-        return f"EveryNStepsRule({self.n})"
+        return f"n_times_during_loop({self.n})"
 
 
-class NTimesRule:
-    """Fires at most `n` times per run, split evenly, always at the last step of the run.
+class Exponential(Schedule):
+    """Fires on an absolute grid of steps whose gaps grow by `factor`.
 
-    For a run of `total_steps` known steps, fires when `steps_done` (1-based count of steps run
-    in this run) equals `ceil(i * total_steps / n)` for some i in 1..n: every step when
-    `total_steps <= n`. While the length of the run is unknown (`total_steps is None`, as in the
-    first epoch of `run_epochs`), fires at steps_done = 128, 256, 512, ...
+    The grid: `start_step`, then `next += gap; gap = round_half_away_from_zero(gap * factor)` (100,
+    1.2: 100, 220, 364, 537, 745, ...).
 
-    Stateless: the caller supplies the run's position.
-
-    Args:
-      n: how many times to fire per run, a positive int.
+    The grid is absolute: a resumed run lands on it, and a grid point equal to the first
+    step of a run still fires. Fires at most once per step, catching up one step at a time
+    when behind.
 
     Raises:
-      ValueError: if `n` is not a positive int.
-
-    Example:
-      >>> schedule = NTimesRule(3)
-      >>> [done - 1 for done in range(1, 11) if schedule.should_fire(done, 10)]
-      [3, 6, 9]
-      >>> schedule.points(10)
-      [4, 7, 10]
-    """
-
-    n: int
-
-    def __init__(self, n: int):
-        self.n = _check_positive_int("n", n)
-
-    def should_fire(self, steps_done: int, total_steps: int | None) -> bool:
-        """Whether to fire once `steps_done` steps of a run of `total_steps` have run.
-
-        Args:
-          steps_done: 1-based count of the steps run so far in this run.
-          total_steps: the length of the run, or None while unknown.
-        """
-        if steps_done <= 0:
-            return False
-        if total_steps is None:
-            return (
-                steps_done >= _FIRST_POINT_WHILE_END_UNKNOWN and steps_done & (steps_done - 1) == 0
-            )
-        if steps_done > total_steps:
-            return False
-        # The smallest i with ceil(i * T / n) >= done is floor((done - 1) * n / T) + 1; done is a
-        # firing point iff that i lands exactly on it (i <= n always holds for done <= T).
-        i = (steps_done - 1) * self.n // total_steps + 1
-        return -(-i * total_steps // self.n) == steps_done
-
-    def next_point(self, steps_done: int, total_steps: int | None) -> int | None:
-        """The smallest firing `steps_done` value `>= steps_done`, or None when none is left.
-
-        Example:
-          >>> NTimesRule(3).next_point(5, 10), NTimesRule(3).next_point(11, 10)
-          (7, None)
-          >>> NTimesRule(3).next_point(1, None)
-          128
-        """
-        steps_done = max(steps_done, 1)
-        if total_steps is None:
-            point = _FIRST_POINT_WHILE_END_UNKNOWN
-            while point < steps_done:
-                point *= 2
-            return point
-        if steps_done > total_steps:
-            return None
-        i = (steps_done - 1) * self.n // total_steps + 1
-        return -(-i * total_steps // self.n)
-
-    def points(self, total_steps: int) -> list[int]:
-        """The `steps_done` values at which a run of `total_steps` steps fires, ascending."""
-        return sorted({-(-i * total_steps // self.n) for i in range(1, self.n + 1)} - {0})
-
-    def __repr__(self) -> str:
-        return f"NTimesRule({self.n})"
-
-
-class ExponentialRule:
-    """An absolute grid of steps whose gaps grow by `factor`: start_step, then ever wider.
-
-    The grid starts at `next = 0, gap = start_step`; advancing does `next += gap;
-    gap = round_half_away_from_zero(gap * factor)`. `start_run(first_step)` positions it on the
-    first grid point at or after `first_step`, so a resumed run lands on the same grid as an
-    uninterrupted one (and a point equal to the resume step still fires); `should_fire(step)`
-    fires (and advances once) when `step` reached the next point, so a schedule far behind
-    catches up one call at a time.
-
-    Args:
-      start_step: the first grid point and the first gap, a positive int.
-      factor: how much each gap grows, a number > 1.
-
-    Raises:
-      ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
-
-    Example:
-      >>> schedule = ExponentialRule(100, 1.2)
-      >>> schedule.start_run(0)
-      >>> [step for step in range(1000) if schedule.should_fire(step)]
-      [100, 220, 364, 537, 745, 995]
+      ValueError: `start_step` is not a positive int or `factor` not a finite number > 1.
     """
 
     start_step: int
     factor: float
-    next_step: int
-    gap: int
+    point: int  # the next grid point
+    gap: int  # the gap after it
 
     def __init__(self, start_step: int, factor: float):
-        self.start_step = _check_positive_int("start_step", start_step)
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, numbers.Real)
-            or not math.isfinite(factor)
-            or factor <= 1
-        ):
+        self.start_step = positive_int("start_step", start_step)
+        if not _finite_above(factor, 1):
             raise ValueError(
                 f"factor must be a finite number > 1 so that the gaps grow, got factor={factor!r}; "
                 "use every_n_steps for a constant period"
             )
         self.factor = float(factor)
-        self.next_step = 0
-        self.gap = self.start_step
+        self.point, self.gap = 0, self.start_step  # the origin, until a run starts
 
-    def _advance(self) -> None:
-        self.next_step += self.gap
-        self.gap = round_half_away_from_zero(self.gap * self.factor)
+    def start_run(self, run: RunInfo) -> None:
+        # `loop_step`, not `start_step`: they agree before a run's first step, and a hook
+        # registered during a run starts at its grid points from there, not catching up
+        # the points of the run's earlier steps.
+        self.point, self.gap = exponential_from(self.start_step, self.factor, run.loop_step)
 
-    def start_run(self, first_step: int) -> None:
-        """Positions the grid for a run whose first step is `first_step`.
+    restart = start_run  # a rollback or restore continues on the grid from its step
 
-        Advances from the origin once, then while the next point is `< first_step`: a grid
-        point equal to the first step of a run still fires, so stopping and resuming never
-        drops a firing.
-        """
-        self.next_step, self.gap = 0, self.start_step
-        self._advance()
-        while self.next_step < first_step:
-            self._advance()
+    def next_step(self, run: RunInfo, step: int) -> int:
+        return max(step, self.point)
 
-    def should_fire(self, step: int) -> bool:
-        """Whether to fire at `step`; advances the grid by one point when it does."""
-        if step < self.next_step:
+    def should_fire(self, run: RunInfo) -> bool:
+        if self.next_step(run, run.loop_step) != run.loop_step:
             return False
-        self._advance()
+        self.point += self.gap
+        self.gap = round_half_away_from_zero(self.gap * self.factor)
         return True
 
-    def grid(self) -> Iterator[int]:
-        """The whole grid from the origin, endless: start_step, start_step + gap, ..."""
-        next_step, gap = 0, self.start_step
-        while True:
-            next_step += gap
-            gap = round_half_away_from_zero(gap * self.factor)
-            yield next_step
-
     def __repr__(self) -> str:
-        return f"ExponentialRule({self.start_step}, {self.factor:g})"
+        return f"exponential_callback({self.start_step}, {self.factor:g})"
 
 
-class PeriodicRule:
-    """Fires when at least `period_seconds` passed since the clock started or last fired.
+class ClockSchedule(Schedule):
+    """Fires when `period_seconds` of `clock` passed since it last fired.
 
-    Times come from the caller (any monotonic clock, in seconds). `start(now)` starts the clock
-    without firing; `should_fire(now)` is False until it is started; `fired(now)` restarts the
-    period: pass the time *after* the callback returned so that slow callbacks and paused
-    time are not caught up.
+    With `fire_first` it also fires at its first step. It reads the clock only every so often.
 
-    Args:
-      period_seconds: the minimum time between firings, a finite number > 0.
-
-    Raises:
-      ValueError: if `period_seconds` is not a finite number > 0.
-
-    Example:
-      >>> schedule = PeriodicRule(3.0)
-      >>> schedule.start(0.0)
-      >>> fired = []
-      >>> for now in range(1, 10):
-      ...     if schedule.should_fire(now):
-      ...         fired.append(now)
-      ...         schedule.fired(now)
-      >>> fired
-      [3, 6, 9]
+    A clock reading on every step would cost every step; instead it measures how fast its
+    clock runs per step and asks again after half the steps it predicts are left (at most
+    `MAX_AHEAD`), so a period of a second costs a handful of readings, and it fires at most
+    `MAX_AHEAD` steps late if the steps suddenly slow down. `last` is read after the callback
+    returned, so slow callbacks and paused time are not caught up.
     """
 
-    def __init__(self, period_seconds: float):
-        if (
-            isinstance(period_seconds, bool)
-            or not isinstance(period_seconds, numbers.Real)
-            or not math.isfinite(period_seconds)
-            or period_seconds <= 0
-        ):
+    period_seconds: float
+    time_based = True
+
+    MAX_AHEAD = 32
+
+    def __init__(self, period_seconds: float, clock: Callable[[], float], fire_first: bool):
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.period_seconds = float(period_seconds)
+        self.clock = clock
+        self.fire_first = fire_first
+        self.last: float | None = None  # when it last fired (or started)
+        self._read: tuple[int, float] | None = None  # the last (step, clock reading)
+        self._per_step: float | None = None  # clock seconds per step, from the readings
+
+    def start_run(self, run: RunInfo) -> None:
+        self.last = None
+        self.restart(run)
+
+    def restart(self, run: RunInfo) -> None:
+        self._read, self._per_step = None, None  # the steps jumped: measure again
+
+    def _now(self, run: RunInfo) -> float:
+        now = self.clock()
+        step = run.loop_step
+        if self._read is not None and step > self._read[0]:
+            self._per_step = (now - self._read[1]) / (step - self._read[0])
+        self._read = (step, now)
+        return now
+
+    def should_fire(self, run: RunInfo) -> bool:
+        now = self._now(run)
+        if self.last is not None:
+            return now - self.last >= self.period_seconds
+        self.last = now  # the run's first step
+        return self.fire_first
+
+    def fired(self, run: RunInfo) -> None:
+        self.last = self._now(run)  # also the newest reading, for the prediction
+
+    def next_step(self, run: RunInfo, step: int) -> int:
+        if self.last is None or self._read is None or not self._per_step:
+            return step
+        read_step, read_time = self._read
+        left = self.last + self.period_seconds - read_time
+        ahead = int(left / self._per_step / 2) if self._per_step > 0 else 0
+        return max(step, read_step + max(1, min(ahead, self.MAX_AHEAD)))
+
+
+class Periodic(ClockSchedule):
+    """Fires at most once every `period_seconds` of `clock`.
+
+    The first step of each run only starts the clock (it usually includes compilation);
+    after that it fires when `clock() - last >= period_seconds`, where `last` is read after
+    the previous callback returned, so slow callbacks and paused time are not caught up.
+    The clock is read only every few steps (see `ClockSchedule`). Nothing survives a
+    restart: a clock's readings mean nothing in another process.
+
+    Raises:
+      ValueError: `period_seconds` is not a finite number > 0.
+      TypeError: `clock` is not callable.
+    """
+
+    def __init__(self, period_seconds: float, clock: Callable[[], float] = time.monotonic):
+        if not _finite_above(period_seconds, 0):
             raise ValueError(
                 f"period_seconds must be a finite number > 0, got period_seconds={period_seconds!r}"
             )
-        self.period_seconds = float(period_seconds)
-        self.last: float | None = None
-
-    def start(self, now: float) -> None:
-        """Starts (or restarts) the clock at `now` without firing."""
-        self.last = now
-
-    def should_fire(self, now: float) -> bool:
-        """Whether `period_seconds` passed since the clock started or last fired."""
-        return self.last is not None and now - self.last >= self.period_seconds
-
-    def fired(self, now: float) -> None:
-        """Records a firing that finished at `now`: the next period starts there."""
-        self.last = now
+        super().__init__(period_seconds, clock, fire_first=False)
 
     def __repr__(self) -> str:
-        return f"PeriodicRule({self.period_seconds:g})"
+        return f"periodic_callback({self.period_seconds:g}s)"
+
+
+class AtSteps(Schedule):
+    """Fires after the steps that bring `trainer.global_step` to one of `steps`.
+
+    Raises:
+      ValueError: `steps` is empty or holds something other than positive ints.
+    """
+
+    steps: tuple[int, ...]
+
+    def __init__(self, steps: Iterable[int]):
+        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
+            raise ValueError(
+                f"steps must be a list of global steps such as [100, 1000], got {steps!r} of "
+                f"type {type(steps).__name__}"
+            )
+        self.steps = tuple(sorted({positive_int("steps", step) for step in steps}))
+        if not self.steps:
+            raise ValueError("AtSteps needs at least one global step, e.g. AtSteps([100, 1000])")
+
+    def next_step(self, run: RunInfo, step: int) -> int:
+        index = bisect.bisect_left(self.steps, step + 1)
+        return NEVER if index == len(self.steps) else self.steps[index] - 1
+
+    def should_fire(self, run: RunInfo) -> bool:
+        return self.next_step(run, run.loop_step) == run.loop_step
+
+    def __repr__(self) -> str:
+        shown = ", ".join(map(str, self.steps[:5])) + (", ..." if len(self.steps) > 5 else "")
+        return f"at_steps({shown})"
+
+
+class FirstNSteps(Schedule):
+    """Fires at each of the first `n` steps of every run, or of this process.
+
+    With `of_process=True` the steps are counted across this process's runs: the first steps after a
+    restart, e.g. to watch them.
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+
+    n: int
+    of_process: bool
+
+    def __init__(self, n: int, *, of_process: bool = False):
+        self.n = positive_int("n", n)
+        self.of_process = bool(of_process)
+        self._first: int | None = None  # the first step counted
+        self._seen = 0  # steps counted before this run (of_process)
+
+    def start_run(self, run: RunInfo) -> None:
+        if not self.of_process:
+            self._seen = 0
+        self._first = run.start_step - self._seen
+
+    def next_step(self, run: RunInfo, step: int) -> int:
+        assert self._first is not None, "start_run was not called"
+        return step if step - self._first < self.n else NEVER
+
+    def should_fire(self, run: RunInfo) -> bool:
+        assert self._first is not None, "start_run was not called"
+        if self.of_process:
+            self._seen = run.loop_step - self._first + 1
+        return self.next_step(run, run.loop_step) == run.loop_step
+
+    def __repr__(self) -> str:
+        return f"first_n_steps({self.n}{', of_process=True' if self.of_process else ''})"
+
+
+class EveryNEpochs(Schedule):
+    """For `loop.on_epoch_end`: fires at the end of every n-th epoch of a `run_epochs`.
+
+    Epochs are 0-based in the run: it fires at the ends of epochs n-1, 2n-1, ...
+
+    Raises:
+      ValueError: `n` is not a positive int.
+    """
+
+    n: int
+
+    checks_every_step = True  # asked at every epoch end
+    at_epoch_end = True
+
+    def __init__(self, n: int):
+        self.n = positive_int("n", n)
+
+    def should_fire(self, run: RunInfo) -> bool:
+        return every_n_next(self.n, run.epoch) == run.epoch
+
+    def __repr__(self) -> str:
+        return f"every_n_epochs({self.n})"

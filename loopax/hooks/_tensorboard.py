@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..loop._hook import Priority
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNSteps, FirstNSteps
+from .._validate import positive_int
+from ..loop import Loop, Priority
+from ..trainer import Trainer
 from ._metric_info import is_writer_process
+from ._schedules import EveryNSteps, FirstNSteps
 from ._writers import MetricWriter, Waiter, write_metrics
 
 RUN_SUMMARY_TAG = "run/summary"
@@ -47,7 +48,7 @@ def _path_name(path: tuple) -> str:
     )
 
 
-def run_summary(trainer: Any, argv: list[str] | None = None) -> str:
+def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
     """A Markdown summary of the run: command line, devices, parameter count, bytes and shapes.
 
     Reads only shapes and dtypes: no device value.
@@ -141,11 +142,9 @@ class TensorBoardWriter(MetricWriter):
     def __init__(
         self, logdir: str | os.PathLike[str], *, flush_seconds: float = 10.0, max_pending: int = 64
     ):
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self.logdir = os.fspath(logdir)
         self._flush_seconds = flush_seconds
-        self._max_pending = max_pending
+        self._max_pending = positive_int("max_pending", max_pending)
         self._outbox: list[tuple[str, int, Any]] = []
         self._handoff_due = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=1)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..trainer._state import TrainState
+from ..trainer import Trainer, TrainState
 
 
-def state_of(trainer: Any, hook: str) -> TrainState:
+def state_of(trainer: Trainer, hook: str) -> TrainState:
     """`trainer.state`, or a RuntimeError naming `hook` when no step has created it yet."""
     state = trainer.state
     if state is None:

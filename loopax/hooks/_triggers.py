@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..loop._hook import Hook, Priority, Schedule
-from ..loop._loop import Loop
-from ._loop_schedules import (
+from ..loop import Hook, Loop, Priority, Schedule
+from ._schedules import (
     AtSteps,
     EveryNEpochs,
     EveryNSteps,

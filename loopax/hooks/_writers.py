@@ -17,10 +17,9 @@ import atexit
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..loop._hook import Priority, Schedule
-from ..loop._loop import Loop
-from ._loop_schedules import EveryNSteps
+from ..loop import Loop, Priority, Schedule
 from ._metric_info import is_writer_process
+from ._schedules import EveryNSteps
 
 Waiter = Callable[[], None]
 

@@ -22,16 +22,16 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-from ...loop._finite import NonFiniteLossError
-from ...loop._loop import Loop
-from ...trainer._state import first_non_finite
+from ..._validate import optional_positive_int, positive_int
+from ...loop import Loop, NonFiniteLossError
+from ...loop._internal import first_non_finite
+from ...trainer import Trainer
 from .._metric_info import split_eval_key
 from ._checks import check_best_metric as _check_best_metric
-from ._checks import check_count as _check_count
 from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
 from ._format import STATE_ITEM as _STATE_ITEM
 from ._format import check_directory as _check_directory
@@ -47,9 +47,6 @@ from ._io import (
 )
 from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 
-if TYPE_CHECKING:
-    from ...trainer._trainer import Trainer
-
 _logger = logging.getLogger(__name__)
 
 # The newest Checkpointer of each directory in this process: a new one waits for the saves
@@ -64,6 +61,10 @@ class NoGoodCheckpointError(RuntimeError):
 
 class Checkpointer:
     """Saves and restores a `Loop`'s whole training state with Orbax; see `checkpoint`.
+
+    `checkpoint` attaches one: it registers `on_start`, `save_on_trigger` (on each save
+    schedule), `on_end` and `on_error` on the loop, which a custom setup may register itself
+    the same way.
 
     Attributes:
       directory: the absolute checkpoint directory.
@@ -93,9 +94,9 @@ class Checkpointer:
         self._ocp = ocp
         self.loop = loop
         self.trainer = loop.trainer
-        self.keep = _check_count("keep", keep, allow_none=True)
-        self.keep_best = _check_count("keep_best", keep_best, allow_none=False)
-        self.keep_period = _check_count("keep_period", keep_period, allow_none=True)
+        self.keep = optional_positive_int("keep", keep)
+        self.keep_best = positive_int("keep_best", keep_best)
+        self.keep_period = optional_positive_int("keep_period", keep_period)
         _check_best_metric(best_metric, best_mode, self.trainer)
         self.best_metric = best_metric
         self.best_mode = best_mode
@@ -371,9 +372,15 @@ class Checkpointer:
         step = self.best_step()
         return None if step is None else self.restore(step)
 
-    # -- hooks ----------------------------------------------------------------------------------
+    # -- hooks: what `checkpoint` registers on the loop ------------------------------------------
 
-    def _on_start(self, loop: Loop, dataset: Any) -> None:
+    def on_start(self, loop: Loop, dataset: Any) -> None:
+        """OnStart: restores the dataset position of the restored checkpoint, if any.
+
+        Registered at `Priority.VALIDATE`, before the other OnStart hooks, so that they see
+        the restored position. Warns (and leaves the dataset where it is) when the
+        checkpoint holds the position of another dataset or the dataset has no `set_state`.
+        """
         self._dataset = dataset
         saved, self._pending_datasets = self._pending_datasets, None
         if not saved:
@@ -391,16 +398,27 @@ class Checkpointer:
                 stacklevel=2,
             )
 
-    def _save_on_trigger(self, loop: Loop, metrics: Any) -> None:
+    def save_on_trigger(self, loop: Loop, metrics: Any) -> None:
+        """OnStep (or OnEpochEnd) at the steps of a save schedule: `save()`.
+
+        Registered with `check_finite=False`: `save` checks the losses itself, first (a
+        `nan_guard` may roll back there).
+        """
         self.save()
 
-    def _on_end(self, loop: Loop, metrics: Any) -> None:
+    def on_end(self, loop: Loop, metrics: Any) -> None:
+        """OnEnd: saves the last step, then waits for the saves once every OnEnd hook ran.
+
+        The wait comes after the other OnEnd hooks wrote their last points (and the commit
+        ran), so a run ends with its checkpoints and logs on disk.
+        """
         if self.trainer.state is not None:
             self.save()
         # After the other OnEnd hooks wrote their last points (and the commit ran).
         loop.call_after_hooks(self.wait)
 
-    def _on_error(self, loop: Loop, error: BaseException) -> None:
+    def on_error(self, loop: Loop, error: BaseException) -> None:
+        """OnError: drops a save not yet committed and waits for the saves in flight."""
         self._pending_save = None
         self.wait_quietly()
 

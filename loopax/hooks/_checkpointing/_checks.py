@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Literal, overload
+from ...trainer import Trainer
 
 
-@overload
-def check_count(argument: str, value: Any, *, allow_none: Literal[False]) -> int: ...
-@overload
-def check_count(argument: str, value: Any, *, allow_none: bool) -> int | None: ...
-def check_count(argument: str, value: Any, *, allow_none: bool) -> int | None:
-    """Returns `value` as an int >= 1 (or None when allowed); raises ValueError otherwise."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{argument} must be a positive int{' or None' if allow_none else ''}, "
-            f"got {argument}={value!r}"
-        )
-    return int(value)
-
-
-def check_best_metric(best_metric: str | None, best_mode: str, trainer: Any) -> None:
+def check_best_metric(best_metric: str | None, best_mode: str, trainer: Trainer) -> None:
     """Raises ValueError unless best_mode is min/max and best_metric names a known form."""
     if best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")

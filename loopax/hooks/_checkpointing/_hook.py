@@ -8,9 +8,8 @@ from collections.abc import Callable
 
 import jax  # noqa: F401  (the doctest's namespace)
 
-from ...loop._hook import Priority
-from ...loop._loop import Loop
-from .._loop_schedules import EveryNEpochs, EveryNSteps, Periodic
+from ...loop import Loop, Priority
+from .._schedules import EveryNEpochs, EveryNSteps, Periodic
 from .._triggers import on_schedule
 from ._checkpointer import Checkpointer
 
@@ -128,14 +127,14 @@ def checkpoint(
             loop,
             schedule,
             "checkpoint",
-            checkpointer._save_on_trigger,
+            checkpointer.save_on_trigger,
             priority=Priority.CHECKPOINT,
             check_finite=False,
         )
     # Before the other start hooks, so that they see the restored dataset position.
-    loop.on_start("checkpoint: restore position", checkpointer._on_start, Priority.VALIDATE)
-    loop.on_end("checkpoint", checkpointer._on_end, Priority.CHECKPOINT, check_finite=False)
-    loop.on_error("checkpoint", checkpointer._on_error, Priority.CHECKPOINT)
+    loop.on_start("checkpoint: restore position", checkpointer.on_start, Priority.VALIDATE)
+    loop.on_end("checkpoint", checkpointer.on_end, Priority.CHECKPOINT, check_finite=False)
+    loop.on_error("checkpoint", checkpointer.on_error, Priority.CHECKPOINT)
     if restore in (True, "latest"):
         checkpointer.restore()
     return checkpointer

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...trainer._state import first_non_finite, tree_paths
+from ...loop._internal import first_non_finite, tree_paths
 from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, STATE_ITEM, VERSION
 
 

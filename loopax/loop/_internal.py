@@ -1,0 +1,16 @@
+"""The few private helpers that `loopax.hooks` borrows from the floors below it, in one place.
+
+Not public API: it names, visibly, every helper the ready hooks share with the loop, the
+trainer and the data, so that hooks import nothing else private from another package and a
+change to one of these helpers shows whom it touches. Public names (`Loop`, `Priority`,
+`Trainer`, ...) come from the packages themselves.
+"""
+
+from ..data._datasets import dataset_name as dataset_name
+from ..trainer._state import first_non_finite as first_non_finite
+from ..trainer._state import tree_paths as tree_paths
+from ._history import train_key as train_key
+from ._hook import NEVER as NEVER
+from ._hook import AnyOf as AnyOf
+
+__all__ = ["NEVER", "AnyOf", "dataset_name", "first_non_finite", "train_key", "tree_paths"]
