@@ -17,7 +17,7 @@ import pytest
 
 import loopax
 from loopax.testing import count_compilations
-from loopax.trainer import _device_data
+from loopax.data import _device_data
 
 EXAMPLES = 52
 
