@@ -84,3 +84,15 @@ def test_v1_checkpoint_restores_the_train_metric_states_under_their_names(tmp_pa
     np.testing.assert_array_equal(accuracy.mean, saved["train_metrics"]["1"]["mean"])
     np.testing.assert_array_equal(accuracy.count, saved["train_metrics"]["1"]["count"])
     assert int(accuracy.count) == SAVED_STEP  # a real state, not a fresh one
+
+
+def test_load_params_reads_a_v1_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / str(SAVED_STEP), directory / str(SAVED_STEP))
+    params = loopax.load_params(directory)
+    trainer = make_trainer()
+    hooks.checkpoint(loopax.Loop(trainer), directory)
+    restored = jax.device_get(trainer.params)
+    assert jax.tree.structure(params) == jax.tree.structure(restored)
+    for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(want, got)
