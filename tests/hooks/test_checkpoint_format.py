@@ -1,6 +1,5 @@
 """The checkpoint format: version 2 keys the train metric states by name, version 1 by position."""
 
-
 import flax.linen as nn
 import jax
 import numpy as np

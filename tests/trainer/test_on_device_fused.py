@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import loopax
-from loopax.testing import count_compilations
 from loopax.data import _device_data
+from loopax.testing import count_compilations
 
 EXAMPLES = 52
 
