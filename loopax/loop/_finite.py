@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..trainer._trainer_args import SKIPPED_STEPS
+from ..trainer._state import skipped_steps
+from ..trainer._steps import SKIPPED_STEPS
 
 MOVING_AVERAGE = "moving_average_loss"
 
@@ -110,7 +111,7 @@ class FiniteChecker:
         self.checked_through = step - 1
         state = trainer.state
         if state is not None:
-            self._skipped_seen = _as_float(jax.device_get(state.train_metrics[0][2]))
+            self._skipped_seen = _as_float(jax.device_get(skipped_steps(state)))
 
     @property
     def indicator(self) -> str:

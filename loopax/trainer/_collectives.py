@@ -1,4 +1,4 @@
-"""Pieces every step body shares: cross-device reductions and the loss's moving average."""
+"""Cross-device reductions every step body shares."""
 
 from __future__ import annotations
 
@@ -9,46 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from ._parallel import AXIS
-
-
-class LossMovingAverage:
-    """The built-in `moving_average_loss` and the count of skipped steps.
-
-    A step's loss is averaged in with weight `max(0.01, 1/count)`.
-
-    Its state is one float32[3] array `(mean, count, skipped)`: every state leaf costs the
-    CPU runtime a few microseconds per step, which shows on small models. A skipped step
-    (non-finite loss or gradient under `Trainer.skip_non_finite_steps`) leaves the mean
-    and count alone and counts itself in `skipped`, so the average is never poisoned.
-    """
-
-    new_example_weight = 0.01
-
-    def init(self):
-        return jnp.zeros((3,), jnp.float32)
-
-    def accumulate(self, state, loss, ok=None, skipped=None):
-        """The state after a step of `loss`.
-
-        With `ok` (a bool scalar), a step that is not ok leaves the mean and count alone
-        and counts itself as skipped. With `skipped` only (dynamic loss scaling without
-        `skip_non_finite`), the loss is averaged in anyway, non-finite or not, and a
-        skipped step is counted.
-        """
-        count = state[1] + 1.0
-        weight = jnp.maximum(self.new_example_weight, 1.0 / count)
-        updated = jnp.stack([state[0] * (1.0 - weight) + loss * weight, count, state[2]])
-        if ok is not None:
-            return jnp.where(ok, updated, state.at[2].add(1.0))
-        if skipped is not None:
-            return updated.at[2].add(skipped.astype(jnp.float32))
-        return updated
-
-    def compute(self, state):
-        return state[0]
-
-    def skipped(self, state):
-        return state[2]
 
 
 class Collectives:

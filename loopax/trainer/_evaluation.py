@@ -71,9 +71,8 @@ class EvalSteps:
         strategy = self._strategy
         inputs, labels = strategy.global_batch(inputs), strategy.global_batch(labels)
         self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
-        if self._steps.config.host_eval:  # host metrics: their step values wait, unread
-            return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values, strict=True))
+        # In the documented order; host metrics' step values wait, unread.
+        return self._steps.config.host_eval.results(self.eval_metric_names, values)
 
     def _eval_uneven_batch(
         self, spec: Any, inputs: list, labels: list, batch: int
@@ -89,9 +88,8 @@ class EvalSteps:
             self._eval_states = self._fresh_eval_states()
         pieces = self._globalize(split_uneven_batch(inputs, labels, self._strategy.local_devices))
         self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
-        if self._steps.config.host_eval:  # host metrics: their step values wait, unread
-            return self._steps.config.host_eval.results(self.eval_metric_names, values)
-        return dict(zip(self.eval_metric_names, values, strict=True))
+        # In the documented order; host metrics' step values wait, unread.
+        return self._steps.config.host_eval.results(self.eval_metric_names, values)
 
     def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:
         """Multi-process: each piece's global arrays from this process's share."""

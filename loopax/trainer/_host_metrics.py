@@ -1,7 +1,8 @@
 """Host metrics in the trainer: their step values, kept pending on the device, read on demand.
 
 A `loopax.metrics.HostMetric`'s per-step values are computed and gathered inside the
-compiled step (`HostMetrics.step_values`) and returned with the other metric values.
+compiled step (`HostMetrics.step_values`) and returned with the other metric values, under
+the metric's name.
 `HostMetrics.results` puts a lazy `HostMetricValue` in the metrics dict in their place
 and keeps the device arrays pending in a `_Stream`, untouched: no transfer, no wait.
 Reading a `HostMetricValue` fetches the pending values up to its step and folds them into
@@ -15,7 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -142,7 +143,6 @@ class HostMetrics:
         self.names = frozenset(metric.name for metric in metrics)
         self.axis = axis
         self.single = num_devices == 1
-        self.merges = tuple(merge_step_values for _ in metrics)
         self.max_pending = MAX_PENDING
         self._stream = _Stream(metrics, self.max_pending)
 
@@ -151,7 +151,9 @@ class HostMetrics:
 
     # -- inside the compiled step ----------------------------------------------------------
 
-    def step_values(self, labels, predictions, valid: jax.Array | None = None) -> tuple:
+    def step_values(
+        self, labels, predictions, valid: jax.Array | None = None
+    ) -> dict[str, StepValues]:
         """Traced per device: every host metric's `StepValues` for the global batch.
 
         Args:
@@ -161,11 +163,12 @@ class HostMetrics:
             skipped step) the shard's values are left out.
 
         Returns:
-          One `StepValues` per host metric, identical on every device.
+          `{name: StepValues}` of every host metric, identical on every device.
         """
-        return tuple(
-            self._metric_values(metric, labels, predictions, valid) for metric in self.metrics
-        )
+        return {
+            metric.name: self._metric_values(metric, labels, predictions, valid)
+            for metric in self.metrics
+        }
 
     def _metric_values(self, metric, labels, predictions, valid) -> StepValues:
         value = _as_real(metric.name, metric.device_values(labels, predictions))
@@ -194,25 +197,26 @@ class HostMetrics:
 
     # -- on the host ---------------------------------------------------------------------
 
-    def results(self, names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
-        """The metrics dict of a step; its host metrics' entries are lazy.
+    def results(self, names: Sequence[str], values: Mapping[str, Any]) -> dict[str, Any]:
+        """The metrics dict of a step, in the order of `names`; host metrics' entries are lazy.
 
         The host metrics' step values wait in the stream, unread, and their entries are
         `HostMetricValue`s that read them when asked.
 
         Args:
           names: every metric name, in the order of the dict.
-          values: the step's outputs: the compiled metrics' values in order, then one
-            `StepValues` per host metric.
+          values: the step's outputs by name (a compiled program returns its dict with
+            the keys sorted): the compiled metrics' values, and a host metric's
+            `StepValues`.
 
         Returns:
           `{name: value}` in the order of `names`.
         """
-        split = len(values) - len(self.metrics)
-        index = self._stream.push(tuple(values[split:]))
-        compiled = iter(values[:split])
+        if not self.metrics:
+            return {name: values[name] for name in names}
+        index = self._stream.push(tuple(values[metric.name] for metric in self.metrics))
         return {
-            name: (self._stream.value(index, name) if name in self.names else next(compiled))
+            name: (self._stream.value(index, name) if name in self.names else values[name])
             for name in names
         }
 

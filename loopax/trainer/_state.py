@@ -14,6 +14,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from ..metrics._loss_average import LossMovingAverage
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -26,9 +28,10 @@ class TrainState:
       opt_state: the optax optimizer state.
       model_state: the other Flax collections, e.g. `{"batch_stats": ...}`.
       rng: the base PRNG key data (uint32[2]); each step folds in the step and device.
-      train_metrics: the running states of the train metrics, in order: the loss's
-        moving average and skipped-step count (one float32[3]: mean, count, skipped),
-        then the user's train metrics.
+      train_metrics: the running states of the train metrics by name: the loss's moving
+        average and skipped-step count under `"moving_average_loss"` (one float32[3]:
+        mean, count, skipped: a `LossMovingAverage` state), and the user's
+        compiled train metrics under theirs.
       loss_scale: the dynamic loss scale's state (float32[2]: scale, finite steps in a
         row) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
     """
@@ -38,7 +41,7 @@ class TrainState:
     opt_state: Any
     model_state: Any
     rng: jax.Array | np.ndarray
-    train_metrics: tuple
+    train_metrics: dict[str, Any]
     loss_scale: Any = None
 
     if TYPE_CHECKING:
@@ -70,9 +73,17 @@ def to_plain(tree: Any) -> dict:
     return plain
 
 
+def skipped_steps(state: TrainState) -> Any:
+    """The count of skipped steps kept in `state`'s loss average (a float32 scalar)."""
+    return LossMovingAverage().skipped(state.train_metrics[LossMovingAverage.name])
+
+
+_LOSS_AVERAGE_PATH = ("train_metrics", LossMovingAverage.name)
+
+
 def _upgrade(path: tuple[str, ...], value: Any, leaf: Any) -> Any:
     """Reads states written by loopax 0.1, whose loss average was float32[2] (no skip count)."""
-    if path == ("train_metrics", "0") and np.shape(value) == (2,) and np.shape(leaf) == (3,):
+    if path == _LOSS_AVERAGE_PATH and np.shape(value) == (2,) and np.shape(leaf) == (3,):
         return np.concatenate([np.asarray(value), np.zeros((1,), np.asarray(value).dtype)])
     return value
 
@@ -123,7 +134,11 @@ def first_non_finite(tree: Any) -> str | None:
 
 
 def state_from_tree(
-    tree: dict, optimizer: Any, fresh_train_metrics: tuple, where: str, loss_scale: Any = None
+    tree: dict,
+    optimizer: Any,
+    fresh_train_metrics: dict[str, Any],
+    where: str,
+    loss_scale: Any = None,
 ) -> TrainState:
     """A `TrainState` built from its plain form alone, with no model needed.
 

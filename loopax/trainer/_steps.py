@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..metrics._loss_average import LossMovingAverage
 from ..metrics._mean import (
     MeanState,
     add_mean_states,
@@ -20,8 +21,8 @@ from ..metrics._mean import (
     mean_of,
     zero_mean_state,
 )
-from ._collectives import Collectives, LossMovingAverage
-from ._host_metrics import HostMetrics, StepValues
+from ._collectives import Collectives
+from ._host_metrics import HostMetrics, StepValues, merge_step_values
 from ._parallel import AXIS, Strategy
 from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
@@ -29,6 +30,13 @@ from ._state import TrainState
 _INIT_STREAM = 2**31 - 1  # folded into the seed for initialization; steps use 0, 1, ...
 
 LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
+
+# The names of the values the step bodies make besides the user's metrics.
+LOSS = "loss"
+MOVING_AVERAGE_LOSS = LossMovingAverage.name
+SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
+LOSS_SCALE = "loss_scale"  # with `loss_scale`
+MEAN_LOSS = "mean_loss"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,8 @@ class StepConfig:
       host_train, host_eval: the user's host metrics (`loopax.metrics.HostMetric`): the
         steps return their step values, unread (see `_host_metrics`). The same objects
         across configs: they hold the host states.
+      train_order, eval_order: the names of all the user's train (eval) metrics,
+        compiled and host, in the user's order: the order of the metrics dicts.
       strategy: the parallel strategy (how gradients become the mean over devices).
       per_step_updates: `fn(params) -> params`, applied after each update.
       skip_non_finite: a step whose loss or gradient is not finite changes nothing.
@@ -60,6 +70,8 @@ class StepConfig:
     strategy: Strategy
     host_train: HostMetrics
     host_eval: HostMetrics
+    train_order: tuple[str, ...]
+    eval_order: tuple[str, ...]
     per_step_updates: tuple = ()
     skip_non_finite: bool = False
     accumulate: bool = False
@@ -77,7 +89,21 @@ class StepConfig:
 
 
 class StepBuilder:
-    """Builds the per-device step bodies for one trainer's model and `StepConfig`."""
+    """Builds the per-device step bodies for one trainer's model and `StepConfig`.
+
+    The step bodies return their metric values in dicts keyed by metric name, and keep
+    the metric states in dicts keyed the same way. A compiled program returns a dict with
+    its keys sorted; `train_keys` and `eval_keys` give the order of the metrics dicts.
+
+    Attributes:
+      train_keys: the train step's metric names, in the order of its metrics dict:
+        `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"` and
+        `"loss_scale"` when on.
+      eval_keys: the eval step's: `"mean_loss"`, then the user's.
+      train_state_keys: the keys of `TrainState.train_metrics`, in the order of its
+        metrics: `"moving_average_loss"`, then the user's compiled ones (a host metric's
+        state is on the host).
+    """
 
     def __init__(self, module: Any, config: StepConfig):
         # `module`: a model adapter (see `_models`): init/apply like a Linen module.
@@ -85,14 +111,31 @@ class StepBuilder:
         self.config = config
         self.collectives = Collectives(config.strategy.num_devices)
         self.loss_average = LossMovingAverage()
+        train_keys = (LOSS, MOVING_AVERAGE_LOSS, *config.train_order)
+        if config.reports_skips:
+            train_keys = (*train_keys, SKIPPED_STEPS)
+        if config.loss_scale is not None:
+            train_keys = (*train_keys, LOSS_SCALE)
+        self.train_keys: tuple[str, ...] = train_keys
+        self.eval_keys: tuple[str, ...] = (MEAN_LOSS, *config.eval_order)
+        self.train_state_keys: tuple[str, ...] = (
+            MOVING_AVERAGE_LOSS,
+            *(m.name for m in config.train_metrics),
+        )
 
-    def fresh_train_metrics(self) -> tuple:
-        """The train metric states before any step: the loss average, then the user's."""
-        return (self.loss_average.init(), *(m.init() for m in self.config.train_metrics))
+    def fresh_train_metrics(self) -> dict[str, Any]:
+        """The train metric states before any step, by name: the loss average, the user's."""
+        return {
+            MOVING_AVERAGE_LOSS: self.loss_average.init(),
+            **{m.name: m.init() for m in self.config.train_metrics},
+        }
 
-    def fresh_eval_metrics(self) -> tuple:
-        """The eval metric states before any batch: the mean loss, then the user's."""
-        return (zero_mean_state(), *(m.init() for m in self.config.eval_metrics))
+    def fresh_eval_metrics(self) -> dict[str, Any]:
+        """The eval metric states before any batch, by name: the mean loss, the user's."""
+        return {
+            MEAN_LOSS: zero_mean_state(),
+            **{m.name: m.init() for m in self.config.eval_metrics},
+        }
 
     def fresh_loss_scale(self) -> jax.Array | None:
         """The dynamic loss scale's state before any step, or None without one."""
@@ -152,13 +195,18 @@ class StepBuilder:
             )
         return to_float32(predictions, dtype), added_loss, new_model_state
 
-    def _update_metrics(self, metrics, states, labels, predictions):
-        new_states = []
-        for metric, metric_state in zip(metrics, states, strict=True):
+    def _update_metrics(self, states: dict, labels, predictions) -> dict:
+        """The user's train metric states, by name, after a batch."""
+        new_states = {}
+        for metric in self.config.train_metrics:
             partial = metric.update(labels, predictions)
             partial = self.collectives.merge(metric.merge, partial)
-            new_states.append(metric.accumulate(metric_state, partial))
-        return tuple(new_states)
+            new_states[metric.name] = metric.accumulate(states[metric.name], partial)
+        return new_states
+
+    def _user_states(self, state: TrainState) -> dict:
+        """The user's train metric states of `state`, by name."""
+        return {m.name: state.train_metrics[m.name] for m in self.config.train_metrics}
 
     # -- the step bodies ------------------------------------------------------------------
 
@@ -200,7 +248,6 @@ class StepBuilder:
         micro-batches'.
         """
         count = inputs[0].shape[0]
-        metrics = self.config.train_metrics
 
         def micro_step(carry, batch):
             grad_sum, loss_sum, model_state, user_states = carry
@@ -208,7 +255,7 @@ class StepBuilder:
             grads, (local_loss, predictions, new_model_state) = self._gradients(
                 state, model_state, spec, rng, micro_inputs, micro_labels, scale, index
             )
-            user_states = self._update_metrics(metrics, user_states, micro_labels, predictions)
+            user_states = self._update_metrics(user_states, micro_labels, predictions)
             host_values = self.config.host_train.step_values(micro_labels, predictions)
             carry = (
                 jax.tree.map(jnp.add, grad_sum, grads),
@@ -222,7 +269,7 @@ class StepBuilder:
             jax.tree.map(jnp.zeros_like, state.params),
             jnp.zeros((), jnp.float32),
             state.model_state,
-            tuple(state.train_metrics[1:]),
+            self._user_states(state),
         )
         indices = jnp.arange(count, dtype=jnp.int32)
         (grad_sum, loss_sum, model_state, user_states), host_values = jax.lax.scan(
@@ -256,9 +303,7 @@ class StepBuilder:
             )
             loss = self.collectives.pmean(local_loss)
             new_model_state = self.collectives.reduce(new_model_state)
-            user_states = self._update_metrics(
-                config.train_metrics, state.train_metrics[1:], labels, predictions
-            )
+            user_states = self._update_metrics(self._user_states(state), labels, predictions)
             host_values = None
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
@@ -283,34 +328,34 @@ class StepBuilder:
             opt_state = keep(opt_state, state.opt_state)
             new_model_state = keep(new_model_state, state.model_state)
             if config.skip_non_finite:
-                user_states = keep(user_states, tuple(state.train_metrics[1:]))
+                user_states = keep(user_states, self._user_states(state))
             if config.dynamic_scale:
                 loss_scale = next_dynamic_scale(state.loss_scale, grads_finite)
-        loss_average = self.loss_average.accumulate(
-            state.train_metrics[0], loss, average_ok, None if ok is None else ~ok
+        loss_average = self.loss_average.add_loss(
+            state.train_metrics[MOVING_AVERAGE_LOSS], loss, average_ok, None if ok is None else ~ok
         )
-        values = (
-            loss,
-            self.loss_average.compute(loss_average),
-            *(m.compute(s) for m, s in zip(config.train_metrics, user_states, strict=True)),
-        )
+        values = {
+            LOSS: loss,
+            MOVING_AVERAGE_LOSS: self.loss_average.compute(loss_average),
+            **{m.name: m.compute(user_states[m.name]) for m in config.train_metrics},
+        }
         if config.reports_skips:
-            values = (*values, self.loss_average.skipped(loss_average))
+            values[SKIPPED_STEPS] = self.loss_average.skipped(loss_average)
         if config.loss_scale is not None:  # the scale the next step uses
-            values = (*values, loss_scale[0] if config.dynamic_scale else scale)
+            values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
         # Host metrics' step values, returned unread (a skipped step's are left out).
         if config.host_train:
             if host_values is None:
                 host_values = config.host_train.step_values(labels, predictions, ok)
             else:
-                host_values = tuple(v.of_micro_batches(ok) for v in host_values)
-            values = (*values, *host_values)
+                host_values = {name: v.of_micro_batches(ok) for name, v in host_values.items()}
+            values.update(host_values)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
             model_state=new_model_state,
-            train_metrics=(loss_average, *user_states),
+            train_metrics={MOVING_AVERAGE_LOSS: loss_average, **user_states},
             loss_scale=loss_scale,
         )
         return new_state, values
@@ -318,9 +363,9 @@ class StepBuilder:
     def train_steps(self, spec, rng, state: TrainState, inputs, labels):
         """Per-device: `train` over the leading steps axis of `inputs`/`labels`, in one scan.
 
-        Returns the new state and `(stacked, last, host)`: the compiled metrics' values of
-        every step (a leading steps axis), those of the last step, and the host metrics'
-        step values of all the steps folded into one.
+        Returns the new state and `(stacked, last)`, by metric name: the compiled metrics'
+        values of every step (a leading steps axis), and the last step's values, in which
+        a host metric's step values are those of all the steps folded into one.
         """
         return self.scan_steps(spec, rng, state, (list(inputs), list(labels)), lambda xs: xs)
 
@@ -329,17 +374,17 @@ class StepBuilder:
 
         One `lax.scan` over the leading axis of `xs`; returns as `train_steps`.
         """
-        host_count = len(self.config.host_train.metrics)
+        host_names = self.config.host_train.names
 
         def one_step(state, x):
             return self.train(spec, rng, state, *batch_of(x))
 
         state, values = jax.lax.scan(one_step, state, xs)
-        split = len(values) - host_count
-        stacked = tuple(values[:split])
-        last = tuple(v[-1] for v in stacked)
-        host = tuple(_fold_steps(v) for v in values[split:])
-        return state, (stacked, last, host)
+        stacked = {name: v for name, v in values.items() if name not in host_names}
+        last = {name: v[-1] for name, v in stacked.items()}
+        for metric in self.config.host_train.metrics:
+            last[metric.name] = _fold_steps(values[metric.name])
+        return state, (stacked, last)
 
     def predict(self, spec, rng, state: TrainState, inputs):
         """Per-device: the model's predictions (eval mode) for this device's shard."""
@@ -378,17 +423,22 @@ class StepBuilder:
         partials = self._eval_partials(spec, rng, state, padded_inputs, padded_labels, valid[0][0])
         if inputs is not None:
             divisible = self._eval_partials(spec, rng, state, inputs, labels)
-            merges = (add_mean_states, *(m.merge for m in self.config.eval_metrics))
-            merges = (*merges, *self.config.host_eval.merges)  # host step values concatenate
-            partials = tuple(
-                merge(a, b) for merge, a, b in zip(merges, divisible, partials, strict=True)
-            )
+            merges = {
+                MEAN_LOSS: add_mean_states,
+                **{m.name: m.merge for m in self.config.eval_metrics},
+                # host metrics' step values concatenate
+                **{m.name: merge_step_values for m in self.config.host_eval.metrics},
+            }
+            partials = {
+                name: merge(divisible[name], partials[name]) for name, merge in merges.items()
+            }
         return self._accumulate_eval(metric_states, partials)
 
-    def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> tuple:
+    def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> dict:
         """The merged partials of the mean loss and the eval metrics over all devices' shards.
 
-        Given `valid`, over those shards whose `valid` is True.
+        By metric name, the host metrics' step values included. Given `valid`, over those
+        shards whose `valid` is True.
         """
         predictions, added_loss, _ = self._apply(
             state.step, state.model_state, state.params, spec, rng, inputs, False
@@ -399,30 +449,31 @@ class StepBuilder:
         loss_partial = self.collectives.merge(
             add_mean_states, MeanState(local_loss * weight, weight), valid
         )
-        return (
-            loss_partial,
-            *(
-                self.collectives.merge(metric.merge, metric.update(labels, predictions), valid)
+        return {
+            MEAN_LOSS: loss_partial,
+            **{
+                metric.name: self.collectives.merge(
+                    metric.merge, metric.update(labels, predictions), valid
+                )
                 for metric in self.config.eval_metrics
-            ),
-            *self.config.host_eval.step_values(labels, predictions, valid),  # host metrics'
-        )
+            },
+            **self.config.host_eval.step_values(labels, predictions, valid),  # host metrics'
+        }
 
-    def _accumulate_eval(self, metric_states, partials):
+    def _accumulate_eval(self, metric_states: dict, partials: dict) -> tuple[dict, dict]:
+        """The eval metric states after a batch's `partials`, and their values, by name."""
         metrics = self.config.eval_metrics
-        loss_state = add_mean_states(metric_states[0], partials[0])
-        user_states = tuple(
-            metric.accumulate(metric_state, partial)
-            for metric, metric_state, partial in zip(
-                metrics, metric_states[1:], partials[1 : 1 + len(metrics)], strict=True
-            )
-        )
-        values = (
-            mean_of(loss_state),
-            *(m.compute(s) for m, s in zip(metrics, user_states, strict=True)),
-            *partials[1 + len(metrics) :],  # host metrics' step values
-        )
-        return (loss_state, *user_states), values
+        states = {
+            MEAN_LOSS: add_mean_states(metric_states[MEAN_LOSS], partials[MEAN_LOSS]),
+            **{m.name: m.accumulate(metric_states[m.name], partials[m.name]) for m in metrics},
+        }
+        values = {
+            MEAN_LOSS: mean_of(states[MEAN_LOSS]),
+            **{m.name: m.compute(states[m.name]) for m in metrics},
+            # host metrics' step values
+            **{m.name: partials[m.name] for m in self.config.host_eval.metrics},
+        }
+        return states, values
 
 
 def _fold_steps(values: Any) -> StepValues:

@@ -29,10 +29,8 @@ from ._predict import Predict
 from ._state import TrainState, from_plain
 from ._steps import StepBuilder, StepConfig
 from ._trainer_args import (
-    LOSS_SCALE,
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
-    SKIPPED_STEPS,
     check_accumulate_steps,
     check_callables,
     check_metrics,
@@ -152,8 +150,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        reserved = (*RESERVED_TRAIN_NAMES, SKIPPED_STEPS, LOSS_SCALE)
-        self.train_metrics = check_metrics(train_metrics, "train", reserved)
+        self.train_metrics = check_metrics(train_metrics, "train", RESERVED_TRAIN_NAMES)
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
         self._model = adapted
@@ -170,14 +167,14 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
             strategy=self._strategy,
             host_train=host_train,
             host_eval=host_eval,
+            train_order=tuple(m.name for m in self.train_metrics),
+            eval_order=tuple(m.name for m in self.eval_metrics),
             accumulate=self.accumulate_steps > 1,
             compute_dtype=dtype,
             loss_scale=self.loss_scale,
         )
         self._steps = StepBuilder(adapted, config)
-        self._train_metric_names = (*RESERVED_TRAIN_NAMES, *(m.name for m in self.train_metrics))
-        self._step_metric_names = self._metric_names_of(config)
-        self.eval_metric_names = (*RESERVED_EVAL_NAMES, *(m.name for m in self.eval_metrics))
+        self.eval_metric_names = self._steps.eval_keys
         micro: tuple[str, ...] = ("micro-batches",) if config.accumulate else ()
         self._leading_axes = {
             "train": micro,
@@ -195,7 +192,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).
         self._state: TrainState | None = None
         self._rng: jax.Array | None = None
-        self._eval_states: tuple | None = None
+        self._eval_states: dict | None = None
         self._global_step = 0
         # Where a state loaded before the first batch came from; the model's variables
         # are checked against it when the first batch shows their shapes.
@@ -219,7 +216,17 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
     @property
     def train_metric_names(self) -> tuple[str, ...]:
         """The keys of `train_step`'s metrics, in order."""
-        return self._step_metric_names
+        return self._steps.train_keys
+
+    @property
+    def train_metric_state_names(self) -> tuple[str, ...]:
+        """The keys of `state.train_metrics`, in the order the metrics were given.
+
+        `"moving_average_loss"`, then the compiled train metrics' names (a host metric
+        keeps its state on the host). Checkpoints of format version 1 kept the states in
+        this order, without the names.
+        """
+        return self._steps.train_state_keys
 
     @property
     def parallel(self) -> str:
@@ -246,19 +253,10 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         """Whether `skip_non_finite_steps` is on."""
         return self._steps.config.skip_non_finite
 
-    def _metric_names_of(self, config: StepConfig) -> tuple[str, ...]:
-        names = self._train_metric_names
-        if config.reports_skips:
-            names = (*names, SKIPPED_STEPS)
-        if config.loss_scale is not None:
-            names = (*names, LOSS_SCALE)
-        return names
-
     def _configure(self, **changes: Any) -> None:
         """Rebuilds the step bodies with `changes` to their config; drops compiled steps."""
         config = dataclasses.replace(self._steps.config, **changes)
         self._steps = StepBuilder(self._model, config)
-        self._step_metric_names = self._metric_names_of(config)
         self._cache.clear()
 
     def skip_non_finite_steps(self, enabled: bool = True) -> None:
@@ -461,10 +459,8 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         """
         values = self._run_train("train", spec, inputs, labels)
         self._global_step += 1
-        host_train = self._steps.config.host_train
-        if host_train:  # host metrics: their step values wait, unread
-            return host_train.results(self._step_metric_names, values)
-        return dict(zip(self._step_metric_names, values, strict=True))
+        # In the documented order; host metrics' step values wait, unread.
+        return self._steps.config.host_train.results(self._steps.train_keys, values)
 
     def run(self, dispatch: Dispatch) -> StepResult:
         """Runs one dispatch of the loop as one compiled call.

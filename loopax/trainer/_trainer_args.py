@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._host_metrics import is_host_metric
+from ._steps import LOSS, LOSS_SCALE, MEAN_LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
-RESERVED_TRAIN_NAMES = ("loss", "moving_average_loss")
-SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
-LOSS_SCALE = "loss_scale"  # with `loss_scale`
-RESERVED_EVAL_NAMES = ("mean_loss",)
+# The names the step bodies give their own values; no user metric may take one.
+RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, LOSS_SCALE)
+RESERVED_EVAL_NAMES = (MEAN_LOSS,)
 
 
 def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:

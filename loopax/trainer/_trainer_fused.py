@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._batches import spec_key
+from ._steps import LOSS
 
 if TYPE_CHECKING:
     from ..data._device_data import DeviceChunk
@@ -26,7 +27,6 @@ class FusedSteps:
     _steps: StepBuilder
     _global_step: int
     _state: Any
-    _step_metric_names: tuple[str, ...]
     _run_train: Callable[..., Any]
     _compile: Callable[..., Any]
 
@@ -92,17 +92,15 @@ class FusedSteps:
         return not strategy.multi_process and list(devices) == list(strategy.devices)
 
     def _fused_results(self, values: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`train_steps`'s `(stacked, last)` dicts from its program's values."""
-        stacked, last, host_values = values
-        self._global_step += int(np.shape(stacked[0])[0])
-        names = self._step_metric_names
-        host_train = self._steps.config.host_train
-        if not host_train:
-            return dict(zip(names, stacked, strict=True)), dict(zip(names, last, strict=True))
-        last_metrics = host_train.results(names, (*last, *host_values))
-        compiled = iter(stacked)
+        """`train_steps`'s `(stacked, last)` dicts, in the documented order, from its program's.
+
+        A host metric is only in the program's `last`: its entry in both is its value there.
+        """
+        stacked, last = values
+        self._global_step += int(np.shape(stacked[LOSS])[0])
+        names = self._steps.train_keys
+        last_metrics = self._steps.config.host_train.results(names, last)
         stacked_metrics = {
-            name: last_metrics[name] if name in host_train.names else next(compiled)
-            for name in names
+            name: stacked[name] if name in stacked else last_metrics[name] for name in names
         }
         return stacked_metrics, last_metrics

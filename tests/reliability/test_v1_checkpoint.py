@@ -7,7 +7,12 @@ import shutil
 
 import jax
 import numpy as np
-from v1_fixture import END_STEP, FIXTURE, SAVED_STEP, run, summary
+import orbax.checkpoint as ocp
+from v1_fixture import END_STEP, FIXTURE, SAVED_STEP, make_trainer, run, summary
+
+import loopax
+from loopax import hooks
+from loopax.hooks._checkpointing._io import open_manager, read
 
 
 def as_lists(history):
@@ -48,3 +53,46 @@ def test_v1_checkpoint_restores_and_continues_bit_identically(tmp_path):
         strict=True,
     ):
         np.testing.assert_array_equal(*path_and_leaf)
+
+
+def test_v1_checkpoint_restores_the_train_metric_states_under_their_names(tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / str(SAVED_STEP), directory / str(SAVED_STEP))
+    manager = open_manager(
+        ocp,
+        directory,
+        keep=None,
+        best_metric=None,
+        best_mode="min",
+        keep_best=1,
+        keep_period=None,
+        create=False,
+    )
+    try:
+        saved, _ = read(manager, ocp, SAVED_STEP)
+    finally:
+        manager.close()
+    assert sorted(saved["train_metrics"]) == ["0", "1"]  # by position, as version 1 kept them
+
+    trainer = make_trainer()
+    hooks.checkpoint(loopax.Loop(trainer), directory)
+    assert trainer.global_step == SAVED_STEP
+    restored = jax.device_get(trainer.state.train_metrics)
+    assert sorted(restored) == ["Moving Average Accuracy", "moving_average_loss"]
+    np.testing.assert_array_equal(restored["moving_average_loss"], saved["train_metrics"]["0"])
+    accuracy = restored["Moving Average Accuracy"]
+    np.testing.assert_array_equal(accuracy.mean, saved["train_metrics"]["1"]["mean"])
+    np.testing.assert_array_equal(accuracy.count, saved["train_metrics"]["1"]["count"])
+    assert int(accuracy.count) == SAVED_STEP  # a real state, not a fresh one
+
+
+def test_load_params_reads_a_v1_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / str(SAVED_STEP), directory / str(SAVED_STEP))
+    params = loopax.load_params(directory)
+    trainer = make_trainer()
+    hooks.checkpoint(loopax.Loop(trainer), directory)
+    restored = jax.device_get(trainer.params)
+    assert jax.tree.structure(params) == jax.tree.structure(restored)
+    for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(want, got)

@@ -36,7 +36,7 @@ from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
 from ._format import STATE_ITEM as _STATE_ITEM
 from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
-from ._format import make_bundle
+from ._format import make_bundle, named_train_metrics
 from ._io import (
     checksums,
     open_manager,
@@ -349,6 +349,7 @@ class Checkpointer:
                 )
             state, bundle = read(self._manager, self._ocp, step)
         where = f"checkpoint {str(self.directory / str(step))!r}"
+        state = named_train_metrics(state, bundle["version"], self.trainer.train_metric_state_names)
         self.trainer.load_state_dict(state, where=where)
         # loopax 0.1 kept only the trigger states, under "triggers".
         loop_state = bundle.get("loop", {"hooks": bundle.get("triggers", {})})

@@ -3,6 +3,11 @@
 The state is saved in its plain form (`Trainer.state_dict()`: nested dicts keyed by the
 names in the `TrainState`), so that it reads back into host arrays without knowing the
 model, onto any device count, and is then matched name by name against the model's state.
+
+Format versions: 2 keys the train metric states by name (`train_metrics/moving_average_loss`,
+`train_metrics/<metric name>`); 1 kept them by position (`train_metrics/0` the loss's moving
+average, then the compiled train metrics in the trainer's order). Version 1 is still read:
+`named_train_metrics` turns its state into version 2's.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 FORMAT = "loopax.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATE_ITEM = "state"
 BUNDLE_ITEM = "loopax"
 DAMAGED_DIR = "damaged"
@@ -85,3 +92,29 @@ def make_bundle(
             "strings, lists and dicts"
         ) from err
     return bundle
+
+
+def named_train_metrics(state: dict, version: int, names: Sequence[str]) -> dict:
+    """The plain state of a checkpoint of format `version`, its train metrics keyed by name.
+
+    Args:
+      state: the plain state as read.
+      version: the checkpoint's format version.
+      names: the keys of the trainer's train metric states, in the trainer's order
+        (`Trainer.train_metric_state_names`): the names of version 1's positions.
+
+    Returns:
+      `state` itself for version 2; for version 1 a copy whose `train_metrics` are keyed
+      by `names`. Positions beyond `names` keep their number, so that the state's check
+      against the trainer names them.
+    """
+    by_position = state.get("train_metrics")
+    if version != 1 or not isinstance(by_position, dict):
+        return state
+    if not all(key.isdigit() for key in by_position):  # not positional: checked as it is
+        return state
+    named = {
+        (names[index] if index < len(names) else key): by_position[key]
+        for index, key in enumerate(sorted(by_position, key=int))
+    }
+    return {**state, "train_metrics": named}

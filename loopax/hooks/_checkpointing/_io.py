@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from ...loop._internal import first_non_finite, tree_paths
-from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, STATE_ITEM, VERSION
+from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, READABLE_VERSIONS, STATE_ITEM
 
 
 class DamagedCheckpointError(ValueError):
@@ -67,6 +67,9 @@ def read_bundle(manager: Any, ocp: Any, step: int) -> Any:
 def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
     """Reads checkpoint `step` into host arrays and checks it.
 
+    Any readable format version: the state is returned as stored (see
+    `_format.named_train_metrics` for version 1's train metrics).
+
     Raises:
       Exception: anything reading it raised; `DamagedCheckpointError` when it reads but is
         not what was saved.
@@ -76,10 +79,10 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
         raise DamagedCheckpointError(
             f"its {BUNDLE_ITEM!r} item is not a loopax checkpoint description"
         )
-    if bundle.get("version") != VERSION or bundle.get("global_step") != step:
+    if bundle.get("version") not in READABLE_VERSIONS or bundle.get("global_step") != step:
         raise DamagedCheckpointError(
             f"version {bundle.get('version')} / step {bundle.get('global_step')} in its "
-            f"description, expected version {VERSION} / step {step}"
+            f"description, expected a version in {list(READABLE_VERSIONS)} / step {step}"
         )
     metadata = manager.item_metadata(step)[STATE_ITEM]
     tree = getattr(metadata, "tree", metadata)
