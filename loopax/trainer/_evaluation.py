@@ -38,6 +38,7 @@ class Evaluator:
         self._strategy = strategy
         self._names = names
         self._host = host
+        self._host_or_none = host or None  # as `named_metrics` takes it
         self._states: Any = None
 
     def reset(self) -> None:
@@ -60,7 +61,7 @@ class Evaluator:
         if self._states is None:
             self._states = self._strategy.place_state(self._programs.steps.fresh_eval_metrics())
         self._states, values = self._programs.run(program, spec, inputs, labels, self._states)
-        return named_metrics(self._names, values, self._host)
+        return named_metrics(self._names, values, self._host_or_none)
 
     def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
         """Example-weighted means over every batch of `dataset`; see `Trainer.evaluate`."""

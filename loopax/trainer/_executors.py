@@ -91,15 +91,15 @@ class ExecutorCache:
         Raises:
           TypeError, ValueError: the batch is not valid (as `validate_batch`).
         """
-        graph = program.name
         try:
             avals = [a.aval for a in inputs]
-            fast_key = (graph, spec, len(inputs), *avals, *[a.aval for a in labels])
+            fast_key = (program, spec, len(inputs), *avals, *[a.aval for a in labels])
             executor = self.get_fast(fast_key)
         except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
             fast_key = executor = None
         if executor is not None:
             return executor
+        graph = program.name
         key_spec = spec_key(spec)
         key = (
             graph,

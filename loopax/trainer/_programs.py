@@ -92,8 +92,9 @@ class Programs:
         self._placed = placed
         self._cache = cache
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
-        # The same host metric objects across configs: they hold the host states.
-        self._host_train = config.host_train
+        # The same host metric objects across configs: they hold the host states. None
+        # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
+        self._host_train = config.host_train or None
         self.steps = StepBuilder(model.adapted, config)
         self.metric_names = self._names_of(config)
 
