@@ -11,6 +11,7 @@ import jax
 
 from ..data._datasets import Dataset
 from ..data._groups import group_reader, power_of_two_at_most
+from ..data._reader import OnDevice
 from ..trainer._inflight import InFlight
 from ._finite import FiniteChecker, GroupMetrics
 
@@ -93,8 +94,8 @@ class FusedRuns:
                 step = first
                 for count, spec, inputs, labels in chunks:
                     if labels is None:  # a DeviceChunk: gathered in the program
-                        stacked, metrics = trainer._train_gathered(spec, inputs)
-                        parts.append((step, count, stacked, metrics))
+                        result = trainer.run(OnDevice(spec, inputs))
+                        parts.append((step, count, result.stacked, result.last))
                     elif count == 1:
                         metrics = trainer.train_step(spec, inputs, labels)
                         parts.append((step, 1, None, metrics))

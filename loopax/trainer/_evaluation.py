@@ -3,119 +3,68 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from ..data._datasets import Dataset, as_list, read_batches, shown_name
 from ..data._iterables import evaluation_dataset
-from ._batches import check_same_batch_size_everywhere, dropped_examples_warning, split_uneven_batch
+from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
 from ._inflight import InFlight
+from ._named import named_metrics
+from ._program import EVAL, EVAL_UNEVEN
 
 if TYPE_CHECKING:
-    from ._executors import Executor
+    from ._host_metrics import HostMetrics
     from ._parallel import Strategy
-    from ._steps import StepBuilder
+    from ._programs import Programs
 
 
-class EvalSteps:
-    """The part of `Trainer` that evaluates; see `Trainer`."""
+class Evaluator:
+    """Runs eval steps on the Trainer's state, keeping the running eval metric states.
 
-    # Provided by `Trainer`.
-    eval_metric_names: tuple[str, ...]
-    _steps: StepBuilder
-    _state: Any
-    _eval_states: Any
-    _strategy: Strategy
-    _executor: Callable[..., Executor]
+    Args:
+      programs: compiles and runs the eval programs.
+      strategy: places the metric states.
+      names: the eval metrics' names, in order.
+      host: the host eval metrics.
+    """
 
-    def reset_eval_metrics(self) -> None:
-        """Resets the running eval metrics (evaluate() does this at its start)."""
-        self._eval_states = None
-        self._steps.config.host_eval.reset()  # host metrics' states
+    def __init__(
+        self, programs: Programs, strategy: Strategy, names: tuple[str, ...], host: HostMetrics
+    ):
+        self._programs = programs
+        self._strategy = strategy
+        self._names = names
+        self._host = host
+        self._host_or_none = host or None  # as `named_metrics` takes it
+        self._states: Any = None
 
-    def _fresh_eval_states(self) -> Any:
-        fresh = self._steps.fresh_eval_metrics()
-        return self._strategy.place_state(fresh)
+    def reset(self) -> None:
+        """Resets the running eval metrics; see `Trainer.reset_eval_metrics`."""
+        self._states = None
+        self._host.reset()  # host metrics' states
 
     def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
-        """Updates the running eval metrics with one batch; parameters do not change.
-
-        A batch of any size counts every example once, on any number of devices: on N
-        devices, a batch that N does not divide runs as its largest part that N divides
-        plus its remainder padded to one example per device, in one compiled step (once
-        per shape, like any batch) that leaves the padding out of the loss and of every
-        metric and updates the metrics once, as with one batch.
-
-        Returns:
-          The running values `{"mean_loss": ..., <eval metric name>: ...}` over every
-          batch since the last `reset_eval_metrics()` (or `evaluate`).
-
-        Raises:
-          TypeError: an input or label is not an array.
-          ValueError: no inputs, mismatched batch sizes, the spec used before with another
-            number of inputs/labels, or (multi-process) a batch that the local devices do
-            not divide and whose size differs between processes.
-        """
+        """Updates the running eval metrics with one batch; see `Trainer.eval_step`."""
         inputs = as_list(inputs)
         labels = as_list(labels)
+        program = EVAL
         local_devices = self._strategy.local_devices
         if local_devices > 1 and inputs:
             shape = getattr(inputs[0], "shape", ())
-            if shape and shape[0] % local_devices:
-                return self._eval_uneven_batch(spec, inputs, labels, shape[0])
-        executor = self._executor("eval", spec, inputs, labels)
-        if self._eval_states is None:
-            self._eval_states = self._fresh_eval_states()
-        strategy = self._strategy
-        inputs, labels = strategy.global_batch(inputs), strategy.global_batch(labels)
-        self._eval_states, values = executor.run(self._state, self._eval_states, inputs, labels)
-        # In the documented order; host metrics' step values wait, unread.
-        return self._steps.config.host_eval.results(self.eval_metric_names, values)
-
-    def _eval_uneven_batch(
-        self, spec: Any, inputs: list, labels: list, batch: int
-    ) -> dict[str, jax.Array]:
-        """`eval_step` for a batch of `batch` examples that the (local) devices do not divide.
-
-        One compiled step per shape, as for any batch (see `_split_uneven_batch`).
-        """
-        if self._strategy.multi_process:
-            check_same_batch_size_everywhere(spec, batch)
-        executor = self._executor("eval", spec, inputs, labels)
-        if self._eval_states is None:
-            self._eval_states = self._fresh_eval_states()
-        pieces = self._globalize(split_uneven_batch(inputs, labels, self._strategy.local_devices))
-        self._eval_states, values = executor.run(self._state, self._eval_states, *pieces)
-        # In the documented order; host metrics' step values wait, unread.
-        return self._steps.config.host_eval.results(self.eval_metric_names, values)
-
-    def _globalize(self, pieces: tuple[list, ...]) -> tuple[list, ...]:
-        """Multi-process: each piece's global arrays from this process's share."""
-        return tuple(self._strategy.global_batch(piece) for piece in pieces)
+            if shape and shape[0] % local_devices:  # run as pieces the devices divide
+                if self._strategy.multi_process:
+                    check_same_batch_size_everywhere(spec, shape[0])
+                program = EVAL_UNEVEN
+        if self._states is None:
+            self._states = self._strategy.place_state(self._programs.steps.fresh_eval_metrics())
+        self._states, values = self._programs.run(program, spec, inputs, labels, self._states)
+        return named_metrics(self._names, values, self._host_or_none)
 
     def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
-        """Evaluates on every batch of `dataset`; returns example-weighted means.
-
-        Resets the dataset and the eval metrics first (not after). Every example the
-        dataset yields counts once, on any number of devices (see `eval_step`). A dataset
-        that says it skips examples (`ArrayDataset` with `drop_remainder=True` and a
-        size its batch size does not divide) draws a `RuntimeWarning` with the counts.
-        An iterable of batches (a list, a grain `MapDataset`, `IterDataset` or
-        `DataLoader`) or an `IterableDataset` is read from its start with an iterator of
-        its own, so evaluating the data a run trains on leaves the run's position as it is.
-
-        Returns:
-          `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
-
-        Raises:
-          TypeError: `dataset` is neither a `Dataset` nor an iterable, or is an iterator
-            (a generator), which cannot be read again.
-          ValueError: the dataset yields no batch, has `loop_forever=True` or repeats
-            forever (grain's `.repeat()`).
-          RuntimeError: the dataset raised (the message names it).
-        """
+        """Example-weighted means over every batch of `dataset`; see `Trainer.evaluate`."""
         dataset = evaluation_dataset(dataset)
         if getattr(dataset, "loop_forever", False):
             raise ValueError(
@@ -124,9 +73,9 @@ class EvalSteps:
             )
         dropped = dropped_examples_warning(dataset)
         if dropped is not None:
-            warnings.warn(dropped, RuntimeWarning, stacklevel=2)
+            warnings.warn(dropped, RuntimeWarning, stacklevel=3)  # the caller of Trainer.evaluate
         dataset.reset()
-        self.reset_eval_metrics()
+        self.reset()
         in_flight = InFlight()
         values = None
         for batch in read_batches(dataset, "evaluation"):
@@ -138,4 +87,4 @@ class EvalSteps:
                 "check its size and batch_size (drop_remainder drops a short last batch)"
             )
         host_values = jax.device_get(values)
-        return {name: float(host_values[name]) for name in self.eval_metric_names}
+        return {name: float(host_values[name]) for name in self._names}

@@ -1,4 +1,4 @@
-"""The executor cache: one compiled step per (graph type, spec, shapes and dtypes)."""
+"""The executor cache: one compiled step per (program, spec, shapes and dtypes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .._validate import positive_int
 from ._batches import signature, spec_key, validate_batch
+from ._program import MICRO_BATCHES, Program
 
 logger = logging.getLogger("loopax")
 
@@ -51,26 +53,17 @@ class ExecutorCache:
     Evicting warns, naming the evicted spec and shapes, because an input pipeline whose
     shapes keep changing pays a compilation per new shape.
 
-    Keys are `(graph, spec, shapes and dtypes)`. Building such a key costs more than a
+    Keys are `(program name, spec, shapes and dtypes)`. Building such a key costs more than a
     small step's own dispatch, so `get_fast` also looks executors up by a cheaper key
     (e.g. the batch's JAX avals) that `remember` maps to an executor found the slow way.
     Fast keys are an index only: hits and recency are those of the executor's own key.
     """
 
-    def __init__(
-        self,
-        max_size: int,
-        local_devices: int = 1,
-        leading_axes: dict[str, tuple[str, ...]] | None = None,
-        axis_limits: dict[str, int] | None = None,
-    ):
-        if not isinstance(max_size, int) or max_size < 1:
-            raise ValueError(f"max_executors must be a positive int, got {max_size!r}")
-        self.max_size = max_size
+    def __init__(self, max_size: int, local_devices: int = 1, accumulate_steps: int = 1):
+        self.max_size = positive_int("max_executors", max_size)
         self.local_devices = local_devices
-        # Per graph, the axes its batches carry in front of the batch axis.
-        self.leading_axes = leading_axes or {}
-        self.axis_limits = axis_limits or {}  # the most a leading axis may hold
+        self.accumulating = accumulate_steps > 1
+        self.axis_limits = {MICRO_BATCHES: accumulate_steps}  # the most a leading axis may hold
         # Inputs and labels per spec, as first used: a spec keeps its arrangement.
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
         self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
@@ -78,16 +71,16 @@ class ExecutorCache:
 
     def executor(
         self,
-        graph: str,
+        program: Program,
         spec: Any,
         inputs: list,
         labels: list,
-        build: Callable[[str, Any, list, list, int], Executor],
+        build: Callable[[Program, Any, list, list, int], Executor],
         extra_key: Hashable = None,
     ) -> Executor:
-        """The compiled step for this batch: cached, or built after the batch is validated.
+        """The compiled `program` for this batch: cached, or built after the batch is validated.
 
-        Built by `build(graph, spec, inputs, labels, batch size)`, once the batch passes
+        Built by `build(program, spec, inputs, labels, batch size)`, once the batch passes
         `validate_batch`. `extra_key` is what else the program depends on (e.g. the
         arrays a program gathers its batches from).
 
@@ -100,12 +93,13 @@ class ExecutorCache:
         """
         try:
             avals = [a.aval for a in inputs]
-            fast_key = (graph, spec, len(inputs), *avals, *[a.aval for a in labels])
+            fast_key = (program, spec, len(inputs), *avals, *[a.aval for a in labels])
             executor = self.get_fast(fast_key)
         except (AttributeError, TypeError):  # numpy batches, or an unhashable spec
             fast_key = executor = None
         if executor is not None:
             return executor
+        graph = program.name
         key_spec = spec_key(spec)
         key = (
             graph,
@@ -124,12 +118,37 @@ class ExecutorCache:
                 labels,
                 self._input_counts,
                 self.local_devices,
-                self.leading_axes.get(graph, ()),
+                program.axes(self.accumulating),
                 self.axis_limits,
             )
-            executor = build(graph, spec, inputs, labels, batch)
+            executor = build(program, spec, inputs, labels, batch)
             self.put(key, executor)
         if fast_key is not None:
+            self.remember(fast_key, executor)
+        return executor
+
+    def executor_for(
+        self,
+        program: Program,
+        spec: Any,
+        extra_key: tuple,
+        shapes: Callable[[], tuple[list, list]],
+        build: Callable[[Program, Any, list, list, int], Executor],
+    ) -> Executor:
+        """`executor` for a program whose batch is `extra_key` (e.g. the devices' arrays).
+
+        Looked up by `(program, spec, *extra_key)` first; on a miss, as `executor` with
+        the batch's abstract `shapes()` (inputs, labels).
+        """
+        try:
+            fast_key = (program.name, spec, *extra_key)
+            executor = self.get_fast(fast_key)
+        except TypeError:  # an unhashable spec
+            fast_key = (program.name, spec_key(spec), *extra_key)
+            executor = self.get_fast(fast_key)
+        if executor is None:
+            inputs, labels = shapes()
+            executor = self.executor(program, spec, inputs, labels, build, extra_key=extra_key)
             self.remember(fast_key, executor)
         return executor
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._validate import positive_int
 from ..data._datasets import as_list, read_batches
 from ..data._iterables import is_dataset
+from ._program import PREDICT
 
 if TYPE_CHECKING:
-    from ._executors import Executor
     from ._parallel import Strategy
+    from ._placed_state import PlacedState
+    from ._programs import Programs
 
 DEFAULT_BATCH_SIZE = 256
 
@@ -26,13 +28,19 @@ def _pad_to(arrays: list[np.ndarray], size: int) -> list[np.ndarray]:
     return [np.concatenate([a, np.repeat(a[-1:], missing, axis=0)]) for a in arrays]
 
 
-class Predict:
-    """The part of `Trainer` that predicts; see `Trainer.predict`."""
+class Predictor:
+    """Predicts with the Trainer's state, every example once; see `Trainer.predict`.
 
-    # Provided by `Trainer`.
-    _state: Any
-    _strategy: Strategy
-    _executor: Callable[..., Executor]
+    Args:
+      programs: compiles and runs the predict program.
+      placed: the train state (predicting needs one).
+      strategy: the devices a batch is split over.
+    """
+
+    def __init__(self, programs: Programs, placed: PlacedState, strategy: Strategy):
+        self._programs = programs
+        self._placed = placed
+        self._strategy = strategy
 
     def _predict_batch(self, spec: Any, inputs: list[np.ndarray], size: int) -> list[np.ndarray]:
         """Predictions for one (local) batch, padded to `size` and trimmed back.
@@ -41,9 +49,8 @@ class Predict:
         """
         count = int(inputs[0].shape[0])
         padded = _pad_to([np.asarray(a) for a in inputs], size)
-        executor = self._executor("predict", spec, padded, [])
         multi_process = self._strategy.multi_process
-        outputs = executor.run(self._state, self._strategy.global_batch(padded))
+        outputs = self._programs.run(PREDICT, spec, padded, [])
         results = []
         for output in outputs:
             if multi_process:  # this process's examples: its devices' shards, in order
@@ -53,28 +60,8 @@ class Predict:
         return results
 
     def predict(self, x: Any, *, batch_size: int | None = None, spec: Any = None) -> Any:
-        """The model's predictions (eval mode) as numpy, for every example exactly once.
-
-        Args:
-          x: the model's inputs: an array, a list of arrays (one per model input, the same
-            first dimension), or a `Dataset` (its batches' inputs; labels are ignored; it is
-            reset first).
-          batch_size: examples per compiled call (default 256, or the whole input when
-            smaller), rounded up to a multiple of the device count; the last batch is padded
-            and the padding's predictions dropped, so each batch size compiles once. Ignored
-            for a `Dataset`, whose batches are predicted as they come (each padded to the
-            device count).
-          spec: the spec passed to the model (ignored for a `Dataset`, whose batches carry
-            theirs).
-
-        Returns:
-          A numpy array of predictions, or a list of arrays when the model returns several.
-
-        Raises:
-          RuntimeError: the trainer has no state yet (no step, restore or init_params).
-          ValueError: inputs with different first dimensions, or a bad batch_size.
-        """
-        if self._state is None:
+        """The model's predictions as numpy, every example once; see `Trainer.predict`."""
+        if self._placed.placed is None:
             raise RuntimeError(
                 "predict needs the model's variables: train a step first, or restore a "
                 "checkpoint (hooks.checkpoint), or give init_params= to the Trainer"
@@ -93,9 +80,7 @@ class Predict:
             total = sizes.pop()
             if batch_size is None:
                 batch_size = min(DEFAULT_BATCH_SIZE, max(total, 1))
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-            size = math.ceil(batch_size / devices) * devices
+            size = math.ceil(positive_int("batch_size", batch_size) / devices) * devices
             parts = [
                 self._predict_batch(spec, [a[start : start + size] for a in inputs], size)
                 for start in range(0, total, size)

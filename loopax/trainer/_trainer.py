@@ -2,57 +2,37 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..data._datasets import as_list
-from ..data._device_data import DeviceChunk
+from .._validate import positive_int
+from ..data._datasets import Dataset
 from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
-from ._batches import split_uneven_batch
 from ._context import ModelFn
-from ._evaluation import EvalSteps
+from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
-from ._gather import gathering, gathering_steps
 from ._host_metrics import split_host_metrics
-from ._models import adapt, no_parameters_message
+from ._models import adapt
 from ._parallel import AXIS, Device, choose
+from ._placed_state import PlacedState
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
-from ._predict import Predict
-from ._state import TrainState, from_plain
-from ._steps import StepBuilder, StepConfig
+from ._predict import Predictor
+from ._programs import Model, Programs, StepResult
+from ._state import TrainState
+from ._steps import StepConfig
 from ._trainer_args import (
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
-    check_accumulate_steps,
     check_callables,
     check_metrics,
 )
-from ._trainer_fused import FusedSteps
-from ._trainer_state import StateAccess
 
 
-class StepResult(NamedTuple):
-    """What `Trainer.run` returns: the metrics of a dispatch's steps.
-
-    Attributes:
-      last: the last step's metrics, as `train_step` returns them (on the device).
-      stacked: every step's metrics with a leading axis of the steps, or None for a
-        dispatch of one step (its `last` are its own).
-    """
-
-    last: dict[str, Any]
-    stacked: dict[str, Any] | None
-
-
-class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
+class Trainer:
     """Trains a model with an optax optimizer, one compiled step per batch kind.
 
     The model is one of:
@@ -142,11 +122,11 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
     ):
         adapted = adapt(model, AXIS)
         check_callables(loss_fn, optimizer)
-        self.accumulate_steps = check_accumulate_steps(accumulate_steps)
+        self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)
         dtype = check_compute_dtype(compute_dtype)
         self.compute_dtype = dtype_name(dtype)
         self.loss_scale = check_loss_scale(loss_scale, dtype)
-        self._strategy = choose(parallel, devices)
+        strategy = self._strategy = choose(parallel, devices)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -154,9 +134,8 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
         self._model = adapted
-        self._init_params = None if init_params is None else jax.tree.map(np.asarray, init_params)
         # Host metrics (loopax.metrics.HostMetric) only return step values; see _host_metrics.
-        num_devices = self._strategy.num_devices
+        num_devices = strategy.num_devices
         compiled_train, host_train = split_host_metrics(self.train_metrics, AXIS, num_devices)
         compiled_eval, host_eval = split_host_metrics(self.eval_metrics, AXIS, num_devices)
         config = StepConfig(
@@ -164,7 +143,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
             optimizer=optimizer,
             train_metrics=compiled_train,
             eval_metrics=compiled_eval,
-            strategy=self._strategy,
+            strategy=strategy,
             host_train=host_train,
             host_eval=host_eval,
             train_order=tuple(m.name for m in self.train_metrics),
@@ -173,39 +152,25 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
             compute_dtype=dtype,
             loss_scale=self.loss_scale,
         )
-        self._steps = StepBuilder(adapted, config)
-        self.eval_metric_names = self._steps.eval_keys
-        micro: tuple[str, ...] = ("micro-batches",) if config.accumulate else ()
-        self._leading_axes = {
-            "train": micro,
-            "train_steps": ("steps", *micro),
-            "train_steps_gathered": ("steps",),
-        }
-        self._cache = ExecutorCache(
-            max_executors,
-            self._strategy.local_devices,
-            self._leading_axes,
-            {"micro-batches": self.accumulate_steps},
+        cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
+        self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
+        start = None if init_params is None else jax.tree.map(np.asarray, init_params)
+        self._programs = Programs(
+            Model(model, adapted, optimizer, seed, start),
+            config,
+            self._placed,
+            cache,
         )
-        self._exec_handlers: list[Callable[[ExecInfo], None]] = []
-        self._state_initializers: list[Callable[[TrainState], TrainState]] = []
-        # The train state with `rng=None`: the key lives in `_rng` (see `_adopt`).
-        self._state: TrainState | None = None
-        self._rng: jax.Array | None = None
-        self._eval_states: dict | None = None
-        self._global_step = 0
-        # Where a state loaded before the first batch came from; the model's variables
-        # are checked against it when the first batch shows their shapes.
-        self._unverified_source: str | None = None
-        self._learning_rate_leaf: int | None = None
-        self._constant_learning_rate: float | None = None
+        self.eval_metric_names = self._programs.steps.eval_keys
+        self._evaluator = Evaluator(self._programs, strategy, self.eval_metric_names, host_eval)
+        self._predictor = Predictor(self._programs, self._placed, strategy)
 
     # -- public attributes ----------------------------------------------------------------
 
     @property
     def global_step(self) -> int:
         """Optimizer steps taken (a Python int; reading it never syncs with the device)."""
-        return self._global_step
+        return self._placed.global_step
 
     @property
     def params(self) -> Any:
@@ -216,7 +181,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
     @property
     def train_metric_names(self) -> tuple[str, ...]:
         """The keys of `train_step`'s metrics, in order."""
-        return self._steps.train_keys
+        return self._programs.metric_names
 
     @property
     def train_metric_state_names(self) -> tuple[str, ...]:
@@ -226,7 +191,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         keeps its state on the host). Checkpoints of format version 1 kept the states in
         this order, without the names.
         """
-        return self._steps.train_state_keys
+        return self._programs.steps.train_state_keys
 
     @property
     def parallel(self) -> str:
@@ -251,13 +216,7 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
     @property
     def skipping_non_finite_steps(self) -> bool:
         """Whether `skip_non_finite_steps` is on."""
-        return self._steps.config.skip_non_finite
-
-    def _configure(self, **changes: Any) -> None:
-        """Rebuilds the step bodies with `changes` to their config; drops compiled steps."""
-        config = dataclasses.replace(self._steps.config, **changes)
-        self._steps = StepBuilder(self._model, config)
-        self._cache.clear()
+        return self._programs.steps.config.skip_non_finite
 
     def skip_non_finite_steps(self, enabled: bool = True) -> None:
         """Compiles train steps that skip an update whose loss or gradient is not finite.
@@ -267,8 +226,8 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         also returns `"skipped_steps"`: the steps skipped since the train metrics were last
         reset. `hooks.nan_guard` turns this on. Compiled steps are dropped.
         """
-        if bool(enabled) != self._steps.config.skip_non_finite:
-            self._configure(skip_non_finite=bool(enabled))
+        if bool(enabled) != self._programs.steps.config.skip_non_finite:
+            self._programs.configure(skip_non_finite=bool(enabled))
 
     # -- configuration --------------------------------------------------------------------
 
@@ -283,13 +242,14 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         """
         if not callable(fn):
             raise TypeError(f"add_per_step_update needs a callable, got {type(fn).__name__}")
-        self._configure(per_step_updates=(*self._steps.config.per_step_updates, fn))
+        updates = self._programs.steps.config.per_step_updates
+        self._programs.configure(per_step_updates=(*updates, fn))
 
     def on_exec_creation(self, handler: Callable[[ExecInfo], None]) -> None:
         """Calls `handler(info)` with an `ExecInfo` whenever a step is compiled."""
         if not callable(handler):
             raise TypeError(f"on_exec_creation needs a callable, got {type(handler).__name__}")
-        self._exec_handlers.append(handler)
+        self._programs.add_exec_handler(handler)
 
     def add_state_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
         """Calls `fn(state) -> state` when the state is created (now, if it exists).
@@ -297,148 +257,97 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
         Checkpoint restoration uses it: the state's structure is known only after the
         first batch shows the input shapes.
         """
-        self._state_initializers.append(fn)
-        state = self.state  # None exactly when `self._state` is
-        if state is not None:
-            self.state = fn(state)
+        self._placed.add_initializer(fn)
 
     def executors(self) -> list[Executor]:
         """The cached compiled steps (least recently used first), with their hit counts."""
-        return self._cache.values()
+        return self._programs.executors()
 
-    # -- state management -----------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TrainState | None:
+        """The whole train state without a device axis, or None before the first step."""
+        return self._placed.state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self._placed.state = state
+
+    def state_dict(self) -> dict | None:
+        """The train state as nested dicts of host arrays keyed by field names.
+
+        None before the first step.
+
+        This is what checkpoints store: `params` and `model_state` as the model names
+        them, `opt_state` with optax's field names, `step`, `rng`, `train_metrics`.
+        """
+        return self._placed.state_dict()
+
+    def load_state_dict(self, tree: dict, *, where: str = "the given state") -> None:
+        """Replaces the train state with `tree`, as `state_dict` returns it.
+
+        Works before the first batch too: the state is then built from `tree` at once
+        (`params`, `state`, `global_step` are available right away), and the model's
+        variables are checked against it when the first batch shows their shapes.
+
+        Args:
+          tree: nested dicts of arrays, as `state_dict()` returns.
+          where: what `tree` is, for error messages (e.g. the checkpoint's path).
+
+        Raises:
+          ValueError: `tree` does not fit the model's state (naming the first differing
+            entry and both shapes).
+        """
+        self._placed.load_state_dict(tree, where, self._programs.steps)
 
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
-        self._steps.config.host_train.reset()  # host metrics' states
-        if self._state is None:
-            return
-        placed = self._strategy.place_state(self._steps.fresh_train_metrics())
-        self._state = self._state.replace(train_metrics=placed)
+        steps = self._programs.steps
+        steps.config.host_train.reset()  # host metrics' states
+        if self._placed.placed is not None:
+            self._placed.replace_train_metrics(steps.fresh_train_metrics())
 
-    def _make_initializer(self, spec: Any) -> Callable[..., Any]:
-        per_device = self._steps.init_variables
-        return self._strategy.initializer(lambda key, xs: per_device(spec, key, xs))
+    @property
+    def learning_rate(self) -> float | None:
+        """The optimizer's live learning rate, or None when it has none or before the first step.
 
-    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
-        rng = jax.random.PRNGKey(self.seed)
-        variables = self._make_initializer(spec)(rng, self._strategy.global_batch(inputs))
-        params = variables.pop("params", {})
-        if self._init_params is not None:
-            params = from_plain(
-                params,
-                self._init_params,
-                "init_params",
-                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
-                "of a checkpoint of the same model",
-            )
-        if not jax.tree.leaves(params):
-            raise ValueError(no_parameters_message(self.model))
-        state = TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=self.optimizer.init(params),
-            model_state=variables,
-            rng=rng,
-            train_metrics=self._steps.fresh_train_metrics(),
-            loss_scale=self._steps.fresh_loss_scale(),
-        )
-        for initializer_fn in self._state_initializers:
-            state = initializer_fn(state)
-        self._adopt(state)
-
-    # -- compilation ----------------------------------------------------------------------
-
-    def _compile(
-        self,
-        graph: str,
-        spec: Any,
-        inputs: list,
-        labels: list,
-        batch: int,
-        chunk: DeviceChunk | None = None,
-    ) -> Executor:
-        """Compiles the `graph` step for this (validated) batch of `batch` examples.
-
-        Creates the state first if there is none. For `"train_steps_gathered"` the batch
-        is abstract: the program gathers it from `chunk`'s arrays on the devices.
+        To have one to read, build the optimizer with `loopax.optimizers` or
+        `optax.inject_hyperparams`.
         """
-        strategy, steps = self._strategy, self._steps
-        local = strategy.local_devices
-        # Only an eval batch gets here undivided; its step takes it in pieces that divide.
-        pieces = split_uneven_batch(inputs, labels, local) if batch % local else None
-        leading = len(self._leading_axes.get(graph, ()))  # axes in front of the batch axis
-        if self._state is None or self._unverified_source is not None:
-            if chunk is not None:
-                model_inputs = chunk.first_batch()[0]
-            else:  # one step's (micro-)batch
-                model_inputs = [a[(0,) * leading] for a in (pieces[0] if pieces else inputs)]
-            if self._state is None:
-                self._initialize(spec, model_inputs)
-            else:
-                self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
-        started = time.perf_counter()
-        if graph.startswith("train"):
-            body = steps.train if graph == "train" else steps.train_steps
-            body = functools.partial(body, spec, self._rng)
-            if chunk is None:
-                run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
-                batches = (strategy.global_batch(b, leading) for b in (inputs, labels))
-                args = (self._state, *batches)
-            else:  # the batches taken from the devices' arrays inside the program
-                count, size = chunk.count, chunk.size
-                if strategy.slices_in_scan:  # each step slices its own batch in the scan
-                    scan = functools.partial(steps.scan_steps, spec, self._rng)
-                    body = gathering_steps(scan, count, size, strategy.num_devices)
-                    run = strategy.wrap(body, 7, 0, donate=(0,))
-                else:  # pmap: the group gathered first, then the stacked steps
-                    run = strategy.wrap(body, 1, 2, donate=(0,), batch_axis=leading)
-                    run = jax.jit(gathering(run, count, size), donate_argnums=0)
-                args = (self._state, *chunk.arguments())
-        elif graph == "predict":
-            body = functools.partial(steps.predict, spec, self._rng)
-            run = strategy.wrap(body, 1, 1, donate=(), per_example_output=True)
-            args = (self._state, strategy.global_batch(inputs))
-        elif pieces is None:
-            body = functools.partial(steps.eval, spec, self._rng)
-            run = strategy.wrap(body, 2, 2, donate=(1,))
-            batch_arrays = (strategy.global_batch(inputs), strategy.global_batch(labels))
-            args = (self._state, self._fresh_eval_states(), *batch_arrays)
-        else:
-            body = functools.partial(steps.eval_uneven, spec, self._rng)
-            run = strategy.wrap(body, 2, len(pieces), donate=(1,))
-            args = (self._state, self._fresh_eval_states(), *self._globalize(pieces))
-        compiled = run.lower(*args).compile()
-        info = ExecInfo(
-            graph_type="train_steps" if chunk is not None else graph,
-            spec=spec,
-            input_shapes=tuple(tuple(a.shape) for a in inputs),
-            input_dtypes=tuple(str(a.dtype) for a in inputs),
-            label_shapes=tuple(tuple(a.shape) for a in labels),
-            label_dtypes=tuple(str(a.dtype) for a in labels),
-            compile_seconds=time.perf_counter() - started,
-        )
-        for handler in self._exec_handlers:
-            handler(info)
-        return Executor(info=info, run=compiled)
+        rate = self._placed.learning_rate_array()
+        return None if rate is None else float(np.asarray(jax.device_get(rate)))
 
-    def _executor(self, graph: str, spec: Any, inputs: list, labels: list) -> Executor:
-        return self._cache.executor(graph, spec, inputs, labels, self._compile)
+    def learning_rate_array(self) -> Any:
+        """The live learning rate, without waiting for the device; None as `learning_rate`.
+
+        The host value when no schedule drives it, else a device copy (the state's own
+        buffers are reused by the next step).
+        """
+        return self._placed.learning_rate_array()
+
+    def set_learning_rate(self, value: float) -> None:
+        """Sets the optimizer's learning rate for the next steps, without recompiling.
+
+        Raises:
+          RuntimeError: before the first step (the optimizer state does not exist yet).
+          ValueError: the optimizer has no injectable learning rate, or a schedule drives
+            it (see `loopax.optimizers.set_learning_rate`).
+        """
+        self._placed.set_learning_rate(value)
+
+    def nnx_module(self) -> Any:
+        """The `flax.nnx.Module` this trainer trains, updated in place with the trained values.
+
+        It holds the current parameters and model state, ready to call (`module.eval()` for
+        inference).
+
+        Raises:
+          TypeError: the trainer's model is not an NNX module.
+        """
+        return self._placed.nnx_module(self._model, self.model)
 
     # -- steps ----------------------------------------------------------------------------
-
-    def _run_train(self, graph: str, spec: Any, inputs: Any, labels: Any) -> Any:
-        """Runs the compiled `graph` ("train" or "train_steps") on a batch; its values."""
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._cache.executor(graph, spec, inputs, labels, self._compile)
-        strategy = self._strategy
-        if strategy.multi_process:
-            leading = len(self._leading_axes[graph])
-            inputs = strategy.global_batch(inputs, leading)
-            labels = strategy.global_batch(labels, leading)
-        self._state, values = executor.run(self._state, inputs, labels)
-        return values
 
     def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch; returns the train metrics.
@@ -457,10 +366,38 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
             device count, the spec used before with another number of inputs/labels, or
             (accumulating) arrays without a common leading axis of micro-batches.
         """
-        values = self._run_train("train", spec, inputs, labels)
-        self._global_step += 1
-        # In the documented order; host metrics' step values wait, unread.
-        return self._steps.config.host_train.results(self._steps.train_keys, values)
+        return self._programs.train_step(spec, inputs, labels)
+
+    def train_steps(
+        self, spec: Any, inputs: Any, labels: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Runs n optimizer steps in one compiled program (`lax.scan`); n is the inputs' first axis.
+
+        Each input and label is n batches stacked, shape `(n, batch, ...)` (with
+        `accumulate_steps` > 1, `(n, micro-batches, batch, ...)`); the result equals n calls
+        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it on batches it
+        stacks (on-device `ArrayDataset` batches go to a program of their own that slices
+        them from the devices' arrays, also reported as `"train_steps"`). Compiled once per
+        n, spec and shape.
+
+        Returns:
+          `(stacked, last)`: every train metric with a leading axis of the n steps, and the
+          last step's metrics as `train_step` returns them. A host metric's entry is the
+          same in both: its value after the n steps.
+
+        Raises:
+          As `train_step`, and ValueError for arrays without a common leading steps axis.
+        """
+        result = self._programs.train_steps(spec, inputs, labels)
+        return cast("dict[str, Any]", result.stacked), result.last  # n steps: never None
+
+    def gathers_on(self, devices: list[Device]) -> bool:
+        """Whether the fused steps can gather batches from arrays replicated on `devices`.
+
+        True when they are this single-process trainer's devices, in its order.
+        """
+        strategy = self._strategy
+        return not strategy.multi_process and list(devices) == list(strategy.devices)
 
     def run(self, dispatch: Dispatch) -> StepResult:
         """Runs one dispatch of the loop as one compiled call.
@@ -475,23 +412,94 @@ class Trainer(StateAccess, FusedSteps, EvalSteps, Predict):
           TypeError: `dispatch` is none of the three records.
           As `train_step` and `train_steps` otherwise.
         """
+        programs = self._programs
         if isinstance(dispatch, OneStep):
-            return StepResult(
-                self.train_step(dispatch.spec, dispatch.inputs, dispatch.labels), None
-            )
+            return StepResult(programs.train_step(dispatch.spec, dispatch.inputs, dispatch.labels))
         if isinstance(dispatch, Stacked):
-            stacked, last = self.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
-            return StepResult(last, stacked)
+            return programs.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
         if isinstance(dispatch, OnDevice):
-            stacked, last = self._train_gathered(dispatch.spec, dispatch.chunk)
-            return StepResult(last, stacked)
+            return programs.train_gathered(dispatch.spec, dispatch.chunk)
         raise TypeError(
             "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
             f"{type(dispatch).__name__}"
         )
 
+    # -- evaluation and prediction --------------------------------------------------------
+
+    def reset_eval_metrics(self) -> None:
+        """Resets the running eval metrics (evaluate() does this at its start)."""
+        self._evaluator.reset()
+
+    def eval_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
+        """Updates the running eval metrics with one batch; parameters do not change.
+
+        A batch of any size counts every example once, on any number of devices: on N
+        devices, a batch that N does not divide runs as its largest part that N divides
+        plus its remainder padded to one example per device, in one compiled step (once
+        per shape, like any batch) that leaves the padding out of the loss and of every
+        metric and updates the metrics once, as with one batch.
+
+        Returns:
+          The running values `{"mean_loss": ..., <eval metric name>: ...}` over every
+          batch since the last `reset_eval_metrics()` (or `evaluate`).
+
+        Raises:
+          TypeError: an input or label is not an array.
+          ValueError: no inputs, mismatched batch sizes, the spec used before with another
+            number of inputs/labels, or (multi-process) a batch that the local devices do
+            not divide and whose size differs between processes.
+        """
+        return self._evaluator.eval_step(spec, inputs, labels)
+
+    def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
+        """Evaluates on every batch of `dataset`; returns example-weighted means.
+
+        Resets the dataset and the eval metrics first (not after). Every example the
+        dataset yields counts once, on any number of devices (see `eval_step`). A dataset
+        that says it skips examples (`ArrayDataset` with `drop_remainder=True` and a
+        size its batch size does not divide) draws a `RuntimeWarning` with the counts.
+        An iterable of batches (a list, a grain `MapDataset`, `IterDataset` or
+        `DataLoader`) or an `IterableDataset` is read from its start with an iterator of
+        its own, so evaluating the data a run trains on leaves the run's position as it is.
+
+        Returns:
+          `{"mean_loss": ..., <eval metric name>: ...}` as Python floats.
+
+        Raises:
+          TypeError: `dataset` is neither a `Dataset` nor an iterable, or is an iterator
+            (a generator), which cannot be read again.
+          ValueError: the dataset yields no batch, has `loop_forever=True` or repeats
+            forever (grain's `.repeat()`).
+          RuntimeError: the dataset raised (the message names it).
+        """
+        return self._evaluator.evaluate(dataset)
+
+    def predict(self, x: Any, *, batch_size: int | None = None, spec: Any = None) -> Any:
+        """The model's predictions (eval mode) as numpy, for every example exactly once.
+
+        Args:
+          x: the model's inputs: an array, a list of arrays (one per model input, the same
+            first dimension), or a `Dataset` (its batches' inputs; labels are ignored; it is
+            reset first).
+          batch_size: examples per compiled call (default 256, or the whole input when
+            smaller), rounded up to a multiple of the device count; the last batch is padded
+            and the padding's predictions dropped, so each batch size compiles once. Ignored
+            for a `Dataset`, whose batches are predicted as they come (each padded to the
+            device count).
+          spec: the spec passed to the model (ignored for a `Dataset`, whose batches carry
+            theirs).
+
+        Returns:
+          A numpy array of predictions, or a list of arrays when the model returns several.
+
+        Raises:
+          RuntimeError: the trainer has no state yet (no step, restore or init_params).
+          ValueError: inputs with different first dimensions, or a bad batch_size.
+        """
+        return self._predictor.predict(x, batch_size=batch_size, spec=spec)
+
     def __repr__(self) -> str:
         return (
-            f"Trainer(global_step={self._global_step}, devices={self.num_devices}, "
-            f"parallel={self.parallel!r}, executors={len(self._cache.values())})"
+            f"Trainer(global_step={self.global_step}, devices={self.num_devices}, "
+            f"parallel={self.parallel!r}, executors={len(self.executors())})"
         )

@@ -47,12 +47,3 @@ def check_callables(loss_fn: Any, optimizer: Any) -> None:
             f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
             "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
         )
-
-
-def check_accumulate_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"accumulate_steps must be a positive int (micro-batches per optimizer step), "
-            f"got {value!r}"
-        )
-    return value

@@ -172,7 +172,9 @@ def test_pending_values_stay_bounded_without_readers(monkeypatch):
     monkeypatch.setattr(_host_metrics, "MAX_PENDING", 8)
     fetched = count_fetches(monkeypatch)
     trainer = frozen_trainer(1, eval_=False)
-    stream = trainer._steps.config.host_train._stream  # the trainer's pending values, to check them
+    stream = (
+        trainer._programs.steps.config.host_train._stream
+    )  # the trainer's pending values, to check them
     rng = np.random.default_rng(4)
     errors, copying = [], []
     for _ in range(30):

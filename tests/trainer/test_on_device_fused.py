@@ -17,6 +17,7 @@ import pytest
 
 import loopax
 from loopax.data import _device_data
+from loopax.data._reader import OnDevice
 from loopax.testing import count_compilations
 
 EXAMPLES = 52
@@ -167,10 +168,14 @@ def test_a_group_is_one_dispatch_with_no_separate_gather(monkeypatch):
 
     monkeypatch.setattr(_device_data.DeviceArrays, "gather", no_gather)
     dispatches = []
-    original = trainer._train_gathered
-    monkeypatch.setattr(
-        trainer, "_train_gathered", lambda *a: dispatches.append(a[1].count) or original(*a)
-    )
+    original = trainer.run
+
+    def run(dispatch):
+        if isinstance(dispatch, OnDevice):
+            dispatches.append(dispatch.count)
+        return original(dispatch)
+
+    monkeypatch.setattr(trainer, "run", run)
     with count_compilations() as compiled:
         loop.run_steps(data, 64)  # 52 examples, 6 batches an epoch: groups cross epochs
     assert dispatches == [8] * 8

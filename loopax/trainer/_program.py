@@ -1,0 +1,220 @@
+"""The Trainer's compiled programs, one frozen record each: what it runs and what it takes.
+
+A `Program` says which step body it wraps, how many of its arguments are replicated (state)
+and split over the devices (the batch), which it donates, which axes its batches carry in
+front of the batch axis, and how a batch becomes its arguments. `Programs` compiles and runs
+them; the records hold no state of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from ._batches import split_uneven_batch
+from ._gather import gathering, gathering_steps
+
+if TYPE_CHECKING:
+    from jax.stages import Wrapped
+
+    from ..data._device_data import DeviceChunk
+    from ._parallel import Strategy
+    from ._steps import StepBuilder
+
+MICRO_BATCHES = "micro-batches"  # a leading axis only under gradient accumulation
+STEPS = "steps"
+
+
+def _batches(strategy: Strategy, source: Any, leading: int) -> tuple:
+    """`(inputs, labels)` as the program takes them: split on the axis behind `leading`."""
+    inputs, labels = source
+    return strategy.global_batch(inputs, leading), strategy.global_batch(labels, leading)
+
+
+def _inputs(strategy: Strategy, source: Any, leading: int) -> tuple:
+    """The inputs alone (predictions take no labels)."""
+    return (strategy.global_batch(source[0], leading),)
+
+
+def _pieces(strategy: Strategy, source: Any, leading: int) -> tuple:
+    """An eval batch the local devices do not divide, in the pieces `eval_uneven` takes."""
+    inputs, labels = source
+    pieces = split_uneven_batch(inputs, labels, strategy.local_devices)
+    return tuple(strategy.global_batch(piece) for piece in pieces)
+
+
+def _chunk_arrays(strategy: Strategy, source: Any, leading: int) -> tuple:
+    """The devices' arrays and where the group's batches lie in them."""
+    return source.arguments()
+
+
+def _first_batch(strategy: Strategy, source: Any, leading: int) -> list:
+    """One step's (micro-)batch of inputs, to create the state from."""
+    return [a[(0,) * leading] for a in source[0]]
+
+
+def _first_piece(strategy: Strategy, source: Any, leading: int) -> list:
+    """The padded remainder's inputs: one example per local device."""
+    inputs, labels = source
+    return split_uneven_batch(inputs, labels, strategy.local_devices)[0]
+
+
+def _chunk_first_batch(strategy: Strategy, source: Any, leading: int) -> list:
+    return source.first_batch()[0]
+
+
+def _wrapped(
+    program: Program,
+    strategy: Strategy,
+    steps: StepBuilder,
+    spec: Any,
+    rng: Any,
+    source: Any,
+    leading: int,
+    sharded: int,
+) -> Wrapped:
+    """The program's body over the strategy's devices, one jit-compiled program."""
+    body = functools.partial(program.body(steps), spec, rng)
+    return strategy.wrap(
+        body,
+        program.replicated,
+        sharded,
+        donate=program.donate,
+        per_example_output=program.per_example_output,
+        batch_axis=leading,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """One kind of compiled program of the Trainer.
+
+    Attributes:
+      name: the cache's key and the name batch checks give it (`"eval"` for both eval
+        programs: an even and an uneven batch never share a shape).
+      graph_type: `ExecInfo.graph_type`, as `on_exec_creation` reports it.
+      body: the per-device step body, from the `StepBuilder`.
+      replicated: how many leading arguments are replicated (the states).
+      sharded: how many batch arguments are split over the devices; None: as many as
+        `arguments` builds.
+      donate: the arguments whose buffers the program reuses.
+      leading_axes: the axes a batch carries in front of its batch axis; `"micro-batches"`
+        only when the trainer accumulates gradients.
+      arguments: `arguments(strategy, source, leading)`, the batch arguments.
+      model_inputs: `model_inputs(strategy, source, leading)`, one step's inputs, to create
+        or check the state from.
+      per_example_output: whether the body returns per-example values (predictions).
+      wrap: `wrap(program, strategy, steps, spec, rng, source, leading, sharded)`, the
+        program ready to lower.
+    """
+
+    name: str
+    graph_type: str
+    body: Callable[[StepBuilder], Callable[..., Any]]
+    replicated: int
+    sharded: int | None
+    donate: tuple[int, ...]
+    leading_axes: tuple[str, ...]
+    arguments: Callable[[Strategy, Any, int], tuple]
+    model_inputs: Callable[[Strategy, Any, int], list]
+    per_example_output: bool = False
+    wrap: Callable[..., Wrapped] = _wrapped
+
+    def axes(self, accumulating: bool) -> tuple[str, ...]:
+        """The leading axes of this program's batches, given gradient accumulation."""
+        if accumulating:
+            return self.leading_axes
+        return tuple(axis for axis in self.leading_axes if axis != MICRO_BATCHES)
+
+    def __repr__(self) -> str:
+        return f"Program({self.name!r})"
+
+
+TRAIN = Program(
+    name="train",
+    graph_type="train",
+    body=operator.attrgetter("train"),
+    replicated=1,
+    sharded=2,
+    donate=(0,),
+    leading_axes=(MICRO_BATCHES,),
+    arguments=_batches,
+    model_inputs=_first_batch,
+)
+TRAIN_STEPS = dataclasses.replace(
+    TRAIN,
+    name="train_steps",
+    graph_type="train_steps",
+    body=operator.attrgetter("train_steps"),
+    leading_axes=(STEPS, MICRO_BATCHES),
+)
+
+
+def _gathering(
+    program: Program,
+    strategy: Strategy,
+    steps: StepBuilder,
+    spec: Any,
+    rng: Any,
+    source: DeviceChunk,
+    leading: int,
+    sharded: int,
+) -> Wrapped:
+    """Fused steps that take each step's batch from the devices' arrays themselves."""
+    count, size = source.count, source.size
+    if strategy.slices_in_scan:  # each step slices its own batch in the scan
+        scan = functools.partial(program.body(steps), spec, rng)
+        body = gathering_steps(scan, count, size, strategy.num_devices)
+        return strategy.wrap(body, program.replicated, sharded, donate=program.donate)
+    # pmap: the group gathered first, then the stacked steps
+    run = TRAIN_STEPS.wrap(TRAIN_STEPS, strategy, steps, spec, rng, source, leading, 2)
+    return jax.jit(gathering(run, count, size), donate_argnums=program.donate)
+
+
+TRAIN_STEPS_GATHERED = Program(
+    name="train_steps_gathered",
+    graph_type="train_steps",  # reported as the fused steps it runs
+    body=operator.attrgetter("scan_steps"),
+    replicated=7,  # the state, then the arrays and positions, all replicated
+    sharded=0,
+    donate=(0,),
+    leading_axes=(STEPS,),
+    arguments=_chunk_arrays,
+    model_inputs=_chunk_first_batch,
+    wrap=_gathering,
+)
+EVAL = Program(
+    name="eval",
+    graph_type="eval",
+    body=operator.attrgetter("eval"),
+    replicated=2,  # the train state and the running eval metric states
+    sharded=2,
+    donate=(1,),
+    leading_axes=(),
+    arguments=_batches,
+    model_inputs=_first_batch,
+)
+EVAL_UNEVEN = dataclasses.replace(
+    EVAL,
+    body=operator.attrgetter("eval_uneven"),
+    sharded=None,  # 3 pieces, or 5 when the batch has a part the devices divide
+    arguments=_pieces,
+    model_inputs=_first_piece,
+)
+PREDICT = Program(
+    name="predict",
+    graph_type="predict",
+    body=operator.attrgetter("predict"),
+    replicated=1,
+    sharded=1,
+    donate=(),
+    leading_axes=(),
+    arguments=_inputs,
+    model_inputs=_first_batch,
+    per_example_output=True,
+)

@@ -1,0 +1,263 @@
+"""The Trainer's compiled programs: built from the step bodies, cached, and run on its state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..data._datasets import as_list
+from ._executors import ExecInfo, Executor, ExecutorCache
+from ._models import no_parameters_message
+from ._named import fused_metrics, named_metrics
+from ._program import TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
+from ._state import TrainState, from_plain, to_plain
+from ._steps import StepBuilder, StepConfig
+
+if TYPE_CHECKING:
+    import optax
+
+    from ..data._device_data import DeviceChunk
+    from ._parallel import Strategy
+    from ._placed_state import PlacedState
+
+
+class StepResult(NamedTuple):
+    """What `Trainer.run` returns: the metrics of a dispatch's steps.
+
+    Attributes:
+      last: the last step's metrics, as `train_step` returns them (on the device).
+      stacked: every step's metrics with a leading axis of the steps, or None for a
+        dispatch of one step (its `last` are its own).
+    """
+
+    last: dict[str, Any]
+    stacked: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the programs build the state from: the model, its seed and its start.
+
+    Attributes:
+      given: the model as the user gave it (for messages).
+      adapted: the model as the step bodies call it (`_models.adapt`).
+      optimizer: builds the optimizer state.
+      seed: seeds the parameters' initialization.
+      init_params: the parameters to start from (host arrays), or None for fresh ones.
+    """
+
+    given: Any
+    adapted: Any
+    optimizer: optax.GradientTransformation
+    seed: int
+    init_params: Any
+
+
+class Programs:
+    """Compiles each `Program` once per batch kind, caches it, and runs it on the state.
+
+    The first program compiled creates the train state (or checks a loaded one against the
+    model's variables): only a batch shows the variables' shapes.
+
+    Args:
+      model: what the state is built from.
+      config: the step bodies' configuration.
+      placed: the train state the programs run on.
+      cache: the compiled programs.
+
+    Attributes:
+      steps: the step bodies, rebuilt by `configure`.
+      metric_names: the keys of a train step's metrics, in order (the step bodies'
+        `train_keys`).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        config: StepConfig,
+        placed: PlacedState,
+        cache: ExecutorCache,
+    ):
+        self._model = model
+        self._strategy: Strategy = config.strategy
+        self._placed = placed
+        self._cache = cache
+        self._exec_handlers: list[Callable[[ExecInfo], None]] = []
+        # The same host metric objects across configs: they hold the host states. None
+        # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
+        self._host_train = config.host_train or None
+        self.steps = StepBuilder(model.adapted, config)
+        self.metric_names = self.steps.train_keys
+
+    def configure(self, **changes: Any) -> None:
+        """Rebuilds the step bodies with `changes` to their config; drops compiled programs."""
+        config = dataclasses.replace(self.steps.config, **changes)
+        self.steps = StepBuilder(self._model.adapted, config)
+        self.metric_names = self.steps.train_keys
+        self._cache.clear()
+
+    def add_exec_handler(self, handler: Callable[[ExecInfo], None]) -> None:
+        """Calls `handler(info)` whenever a program is compiled."""
+        self._exec_handlers.append(handler)
+
+    def executors(self) -> list[Executor]:
+        """The cached compiled programs, least recently used first."""
+        return self._cache.values()
+
+    # -- running --------------------------------------------------------------------------
+
+    def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
+        """Runs `TRAIN` on a batch: one optimizer step; its metrics."""
+        inputs = as_list(inputs)
+        labels = as_list(labels)
+        executor = self._cache.executor(TRAIN, spec, inputs, labels, self._compile)
+        strategy = self._strategy
+        if strategy.multi_process:
+            leading = len(TRAIN.axes(self._cache.accumulating))
+            inputs, labels = TRAIN.arguments(strategy, (inputs, labels), leading)
+        placed = self._placed
+        placed.placed, values = executor.run(placed.placed, inputs, labels)
+        placed.global_step += 1
+        return named_metrics(self.metric_names, values, self._host_train)
+
+    def train_steps(self, spec: Any, inputs: Any, labels: Any) -> StepResult:
+        """Runs `TRAIN_STEPS` on stacked batches: one step per batch."""
+        inputs = as_list(inputs)
+        labels = as_list(labels)
+        executor = self._cache.executor(TRAIN_STEPS, spec, inputs, labels, self._compile)
+        strategy = self._strategy
+        if strategy.multi_process:
+            leading = len(TRAIN_STEPS.axes(self._cache.accumulating))
+            inputs, labels = TRAIN_STEPS.arguments(strategy, (inputs, labels), leading)
+        placed = self._placed
+        placed.placed, values = executor.run(placed.placed, inputs, labels)
+        placed.global_step += int(inputs[0].shape[0])
+        stacked, last = fused_metrics(self.metric_names, values, self._host_train)
+        return StepResult(last, stacked)
+
+    def train_gathered(self, spec: Any, chunk: DeviceChunk) -> StepResult:
+        """Runs `TRAIN_STEPS_GATHERED` on `chunk`'s batches: one step per batch.
+
+        Each step slices (shuffled: gathers) its batch from the arrays on the devices,
+        inside the program.
+        """
+        executor = self._cache.executor_for(
+            TRAIN_STEPS_GATHERED,
+            spec,
+            (chunk.count, chunk.size, chunk.order is None, chunk.source.key),
+            chunk.shapes,
+            functools.partial(self._compile, chunk=chunk),
+        )
+        placed = self._placed
+        placed.placed, values = executor.run(placed.placed, *chunk.arguments())
+        placed.global_step += chunk.count
+        stacked, last = fused_metrics(self.metric_names, values, self._host_train)
+        return StepResult(last, stacked)
+
+    def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:
+        """Runs `program` (not a train program) on a batch; its outputs.
+
+        `states` are its replicated arguments after the train state (the running eval
+        metric states); a program compiled now is compiled with them.
+        """
+        build = functools.partial(self._compile, states=states) if states else self._compile
+        executor = self._cache.executor(program, spec, inputs, labels, build)
+        arguments = program.arguments(self._strategy, (inputs, labels), 0)
+        return executor.run(self._placed.placed, *states, *arguments)
+
+    # -- compiling ------------------------------------------------------------------------
+
+    def _compile(
+        self,
+        program: Program,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        batch: int,
+        states: tuple = (),
+        chunk: DeviceChunk | None = None,
+    ) -> Executor:
+        """Compiles `program` for this (validated) batch of `batch` examples.
+
+        Creates the state first if there is none. With `chunk` the batch is abstract:
+        the program takes it from `chunk`'s arrays on the devices.
+        """
+        strategy, placed = self._strategy, self._placed
+        source = (inputs, labels) if chunk is None else chunk
+        leading = len(program.axes(self._cache.accumulating))  # axes before the batch axis
+        if placed.placed is None or placed.unverified_source is not None:
+            model_inputs = program.model_inputs(strategy, source, leading)
+            if placed.placed is None:
+                self._initialize(spec, model_inputs)
+            else:
+                self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
+        started = time.perf_counter()
+        arguments = program.arguments(strategy, source, leading)
+        sharded = len(arguments) if program.sharded is None else program.sharded
+        run = program.wrap(
+            program, strategy, self.steps, spec, placed.rng, source, leading, sharded
+        )
+        compiled = run.lower(placed.placed, *states, *arguments).compile()
+        info = ExecInfo(
+            graph_type=program.graph_type,
+            spec=spec,
+            input_shapes=tuple(tuple(a.shape) for a in inputs),
+            input_dtypes=tuple(str(a.dtype) for a in inputs),
+            label_shapes=tuple(tuple(a.shape) for a in labels),
+            label_dtypes=tuple(str(a.dtype) for a in labels),
+            compile_seconds=time.perf_counter() - started,
+        )
+        for handler in self._exec_handlers:
+            handler(info)
+        return Executor(info=info, run=compiled)
+
+    # -- the state, created from the first batch ------------------------------------------
+
+    def _initializer(self, spec: Any) -> Callable[..., Any]:
+        per_device = self.steps.init_variables
+        return self._strategy.initializer(lambda key, xs: per_device(spec, key, xs))
+
+    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
+        model = self._model
+        rng = jax.random.PRNGKey(model.seed)
+        variables = self._initializer(spec)(rng, self._strategy.global_batch(inputs))
+        params = variables.pop("params", {})
+        if model.init_params is not None:
+            params = from_plain(
+                params,
+                model.init_params,
+                "init_params",
+                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
+                "of a checkpoint of the same model",
+            )
+        if not jax.tree.leaves(params):
+            raise ValueError(no_parameters_message(model.given))
+        self._placed.create(
+            TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=params,
+                opt_state=model.optimizer.init(params),
+                model_state=variables,
+                rng=rng,
+                train_metrics=self.steps.fresh_train_metrics(),
+                loss_scale=self.steps.fresh_loss_scale(),
+            )
+        )
+
+    def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
+        """Checks a state loaded before the first batch against the model's variables."""
+        where, state = self._placed.take_unverified()
+        key = jax.random.PRNGKey(self._model.seed)
+        expected = dict(jax.eval_shape(self._initializer(spec), key, inputs))
+        expected_params = expected.pop("params", {})
+        from_plain(
+            {"params": expected_params, "model_state": expected},
+            to_plain({"params": state.params, "model_state": state.model_state}),
+            where,
+        )
