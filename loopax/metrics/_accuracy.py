@@ -125,7 +125,13 @@ def sparse_categorical_correct(
     return _weighted_correct(correct, mask, weights)
 
 
-def _binary_label_and_prediction(culprit: str, labels, predictions):
+def _binary_hits(
+    culprit: str,
+    labels: Sequence[jax.Array],
+    predictions: Sequence[jax.Array],
+    hit: Callable[[jax.Array, jax.Array], jax.Array],
+) -> MeanState:
+    """The `MeanState` of `hit(label, prediction)` over the (masked, weighted) entries."""
     label, prediction = _first(culprit, labels, predictions)
     if prediction.shape != label.shape:
         # `[batch, 1]` predictions against `[batch]` labels (or the reverse) are common.
@@ -136,7 +142,9 @@ def _binary_label_and_prediction(culprit: str, labels, predictions):
                 f"{culprit}: predictions[0] has shape {prediction.shape} and labels[0] shape "
                 f"{label.shape}; expected equal shapes (or differing by a trailing axis of 1)"
             )
-    return label.astype(jnp.float32), prediction.astype(jnp.float32)
+    label, prediction = label.astype(jnp.float32), prediction.astype(jnp.float32)
+    mask, weights = _mask_and_weights(culprit, labels[1:], label.shape, "the labels' shape")
+    return _weighted_correct(hit(label, prediction), mask, weights)
 
 
 def binary_correct(
@@ -150,7 +158,8 @@ def binary_correct(
       culprit: names the metric in error messages.
       labels: `labels[0]` in {0, 1} (bool, int or float), optionally followed by a bool
         mask and/or float weights of the labels' shape.
-      predictions: `predictions[0]` probabilities, of the labels' shape.
+      predictions: `predictions[0]` probabilities, of the labels' shape (or differing by a
+        trailing axis of 1).
 
     Returns:
       `MeanState(sum of weights of correct entries, sum of weights)`.
@@ -158,33 +167,18 @@ def binary_correct(
     Raises:
       ValueError: wrong shapes or dtypes, naming the expected ones.
     """
-    label, probability = _binary_label_and_prediction(culprit, labels, predictions)
-    mask, weights = _mask_and_weights(culprit, labels[1:], label.shape, "the labels' shape")
-    return _weighted_correct(jnp.abs(label - probability) < 0.5, mask, weights)
+    return _binary_hits(culprit, labels, predictions, lambda y, p: jnp.abs(y - p) < 0.5)
 
 
 def binary_logits_correct(
     culprit: str, labels: Sequence[jax.Array], predictions: Sequence[jax.Array]
 ) -> MeanState:
-    """Returns the batch's `MeanState` of `predictions[0] * (labels[0] - 0.5) > 0`.
+    """`binary_correct` for logits: the `MeanState` of `predictions[0] * (labels[0] - 0.5) > 0`.
 
-    A logit of exactly 0 is always a miss (GoMLX).
-
-    Args:
-      culprit: names the metric in error messages.
-      labels: `labels[0]` in {0, 1} (bool, int or float), optionally followed by a bool
-        mask and/or float weights of the labels' shape.
-      predictions: `predictions[0]` logits, of the labels' shape.
-
-    Returns:
-      `MeanState(sum of weights of correct entries, sum of weights)`.
-
-    Raises:
-      ValueError: wrong shapes or dtypes, naming the expected ones.
+    A logit of exactly 0 is always a miss (GoMLX). Arguments, result and errors as
+    `binary_correct`'s, with logits for probabilities.
     """
-    label, logit = _binary_label_and_prediction(culprit, labels, predictions)
-    mask, weights = _mask_and_weights(culprit, labels[1:], label.shape, "the labels' shape")
-    return _weighted_correct(logit * (label - 0.5) > 0, mask, weights)
+    return _binary_hits(culprit, labels, predictions, lambda y, logit: logit * (y - 0.5) > 0)
 
 
 class _MeanAccuracy(Mean):
