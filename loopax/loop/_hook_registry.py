@@ -250,8 +250,8 @@ class HookRegistry:
         for hook in self._hooks[phase]:
             self._visit(hook, argument, step)
 
-    def run_flush(self) -> list[Callable[[], None]]:
-        """Runs the OnFlush hooks; returns the waits they handed back."""
+    def run_flush(self) -> Callable[[], None]:
+        """Runs the OnFlush hooks; returns a function that runs the waits they handed back."""
         waiters = []
         for hook in self._hooks["OnFlush"]:
             try:
@@ -260,7 +260,12 @@ class HookRegistry:
                 raise HookError("OnFlush", hook.name, self._run.loop_step, err) from err
             if callable(waiter):
                 waiters.append(waiter)
-        return waiters
+
+        def wait() -> None:
+            for waiter in waiters:
+                waiter()
+
+        return wait
 
     def run_error(self, error: BaseException) -> None:
         """Runs the OnError hooks; their own errors are logged (the run's is the one raised)."""

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _validate
-from ..data._datasets import BadBatchError, Dataset, shown_name
-from ..data._iterables import RunIterable, check_restartable
-from ..data._reader import StepReader, power_of_two_at_most
-from ..trainer._inflight import InFlight, limit_for
+from ..data._datasets import Dataset
 from ..trainer._trainer import Trainer
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import Evaluation, History
 from ._hook import NEVER, Hook, Schedule
 from ._hook_registry import PHASES, HookRegistry
-from ._loop_metrics import GroupMetrics, LogFn, LoopMetrics
-from ._signals import Interrupts, exit_interrupted, signal_name
+from ._loop_metrics import LogFn, LoopMetrics
+from ._runner import Runner
 
 Metrics = dict[str, Any]
 _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
@@ -106,33 +101,70 @@ class Loop:
         self.steps_per_execution = _validate.positive_int(
             "steps_per_execution", steps_per_execution
         )
-        self.loop_step = trainer.global_step
-        self.start_step = trainer.global_step
-        self.end_step = -1
-        self.epoch = 0
-        self.run_index = 0
-        self.metrics: Metrics = {}
         self.history = History()
         self.shared_data: dict[str, Any] = {}
         self.train_step_durations: collections.deque[float] = collections.deque(
             maxlen=_DURATIONS_KEPT
         )
-        self.stop_reason: str | None = None
         self.checkpointed_step: int | None = None
-        self._group: GroupMetrics | None = None  # the latest group of fused steps
-        self._running = False
-        self._stop_requested = False
-        self._metrics_step = -1
-        self._epoch_batches = 0
-        self._warned_epoch_hooks = False
-        self._pending_error: BaseException | None = None
-        self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
-        self._hooks = HookRegistry(self, self, self._before_hook)
-        self._loop_metrics = LoopMetrics(trainer, self.history, self._publish)
+        # Before a hook registered with `check_finite`: the check (which may roll back).
+        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite())
+        self._loop_metrics = LoopMetrics(
+            trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
+        )
         self._finite = FiniteChecker()
-        self._in_flight = InFlight(limit_for(trainer.num_devices))
-        self._interrupts = Interrupts(self._on_signal)
-        self._iterable = RunIterable()
+        self._runner = Runner(
+            trainer,
+            self.steps_per_execution,
+            self._hooks,
+            self._loop_metrics,
+            self._finite,
+            self,
+            self.train_step_durations,
+            lambda: self.checkpointed_step,
+        )
+
+    # -- where the run stands -------------------------------------------------------------
+
+    @property
+    def loop_step(self) -> int:
+        """The step being run (see the class)."""
+        return self._runner.loop_step
+
+    @property
+    def start_step(self) -> int:
+        """The first step of the current run."""
+        return self._runner.start_step
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step of the run; -1 while unknown (see the class)."""
+        return self._runner.end_step
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch of `run_epochs` (0-based)."""
+        return self._runner.epoch
+
+    @property
+    def run_index(self) -> int:
+        """Incremented at the start of every run."""
+        return self._runner.run_index
+
+    @property
+    def metrics(self) -> Metrics:
+        """The latest step's metrics, on the device."""
+        return self._runner.metrics
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The reason given to `request_stop`, or None."""
+        return self._runner.stop_reason
+
+    @property
+    def running(self) -> bool:
+        """Whether a run (`run_steps`, `run_epochs`) is in progress."""
+        return self._runner.running
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -243,7 +275,7 @@ class Loop:
         That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
         commits there, after the logs of its step are written.
         """
-        if self._running:
+        if self._runner.running:
             self._hooks.after_hooks.append(fn)
         else:
             fn()
@@ -270,7 +302,7 @@ class Loop:
             "history": self.history.get_state(),
             "hooks": self._hooks.get_states(),
             "run": {"start_step": self.start_step, "end_step": self.end_step}
-            if self._running
+            if self._runner.running
             else None,
         }
 
@@ -281,7 +313,7 @@ class Loop:
         """
         if "history" in state:
             self.history.set_state(state["history"])
-        self._resumed_run = state.get("run")
+        self._runner.remember_run(state.get("run"))
         self._hooks.set_states(state.get("hooks", {}))
 
     # -- metrics --------------------------------------------------------------------------
@@ -291,7 +323,7 @@ class Loop:
 
         Read from the device at most once per step, however many hooks ask.
         """
-        return self._loop_metrics.host(self.metrics, self._metrics_step)
+        return self._loop_metrics.host(self._runner.metrics, self._runner.metrics_step)
 
     def record_train_metrics(self) -> dict[str, float]:
         """Records the latest step's metrics in `history`; returns them keyed `"train/<metric>"`.
@@ -299,7 +331,7 @@ class Loop:
         Reads them as `host_metrics` does and records them at their global step. Writers
         call it on the steps they log.
         """
-        return self._loop_metrics.record(self.metrics, self._metrics_step)
+        return self._loop_metrics.record(self._runner.metrics, self._runner.metrics_step)
 
     def log_train_metrics(self, fn: LogFn, extra: dict[str, Any] | None = None) -> None:
         """Logs the latest step's train metrics without waiting for the device.
@@ -311,8 +343,8 @@ class Loop:
         `values` keyed `"train/<metric>"`, plus this caller's `extra` (`{key: device
         scalar}`, e.g. the learning rate), read at the same time and recorded too.
         """
-        self._loop_metrics.log(self.metrics, self._metrics_step, fn, extra)
-        if not self._running:
+        self._loop_metrics.log(self._runner.metrics, self._runner.metrics_step, fn, extra)
+        if not self._runner.running:
             self._loop_metrics.resolve_logs(NEVER)
 
     def flush(self) -> Callable[[], None]:
@@ -325,13 +357,7 @@ class Loop:
         commits, so that a resumed run's logs hold every point up to the checkpoint.
         """
         self._loop_metrics.resolve_logs(NEVER)
-        waiters = self._hooks.run_flush()
-
-        def wait() -> None:
-            for waiter in waiters:
-                waiter()
-
-        return wait
+        return self._hooks.run_flush()
 
     def evaluate(self, dataset: Dataset) -> Evaluation:
         """Evaluates `dataset` at the current global step, once.
@@ -358,18 +384,14 @@ class Loop:
         A host metric's entry is its value after the group. The group's first loop step is
         `loop_step - len(values) + 1` while OnStep hooks run.
         """
-        if self._group is None:
+        group = self._runner.group
+        if group is None:
             import jax.numpy as jnp  # noqa: PLC0415
 
             return {key: jnp.asarray(value)[None] for key, value in self.metrics.items()}
-        return self._group.every_step()
+        return group.every_step()
 
     # -- what hooks ask of the loop -------------------------------------------------------
-
-    @property
-    def running(self) -> bool:
-        """Whether a run (`run_steps`, `run_epochs`) is in progress."""
-        return self._running
 
     def report_error(self, error: BaseException) -> None:
         """Makes the run raise `error` once the current step's hooks have run.
@@ -377,19 +399,11 @@ class Loop:
         Safe to call from another thread (e.g. a background save that failed). Outside a
         run, the next run raises it at its start.
         """
-
-        def raise_it() -> None:
-            raise error
-
-        if self._running:
-            self._hooks.after_hooks.append(raise_it)
-        else:
-            self._pending_error = error
+        self._runner.report_error(error)
 
     def request_stop(self, reason: str = "") -> None:
         """Ends the run after the current step's hooks; OnEnd hooks still run."""
-        self._stop_requested = True
-        self.stop_reason = reason
+        self._runner.request_stop(reason)
 
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
         """Makes `fn(loop, steps)` handle the steps the trainer skipped, instead of a warning.
@@ -405,8 +419,7 @@ class Loop:
         Raises:
           NonFiniteLossError: naming the first step whose loss is NaN or infinite.
         """
-        if self._finite.checked_through < self._metrics_step or self._finite.failure:
-            self._settle()
+        self._runner.check_finite()
 
     def resume_from(self, step: int, state: dict[str, Any] | None = None) -> None:
         """Continues from global step `step`, to which the trainer's state was just set.
@@ -422,208 +435,15 @@ class Loop:
         if state is not None:
             self.set_state(state)
         self._loop_metrics.forget_from(step)
-        if self._running:
-            self._in_flight.wait_all()
-            self._finite.restart(self.trainer, step)
-            self.loop_step = step
-            self._hooks.halted = True  # the step's hooks stop; the loop goes on from `step`
-            for schedule in self._hooks.schedules():
-                schedule.restart(self)
-            self._hooks.reschedule()
-        else:
-            self.loop_step = self.start_step = step
-        self._run_phase("OnRestore", step)
+        self._runner.rewind(step)
+        self._hooks.run_phase("OnRestore", step)
 
     def median_train_step_duration(self) -> float:
         """The median step duration in seconds (hooks included); 1 ms with no steps."""
-        if not self.train_step_durations:
-            return 1e-3
         ordered = sorted(self.train_step_durations)
-        return ordered[len(ordered) // 2]
+        return ordered[len(ordered) // 2] if ordered else 1e-3
 
     # -- running --------------------------------------------------------------------------
-
-    def _before_hook(self, hook: Hook) -> None:
-        """Before a hook registered with `check_finite`: the check (which may roll back)."""
-        del hook
-        self.check_finite()
-
-    def _publish(self, evaluation: Evaluation) -> None:
-        self._hooks.run_phase("OnEvaluation", evaluation)
-
-    def _run_phase(self, phase: str, argument: Any) -> None:
-        self._hooks.run_phase(phase, argument)
-        # OnEvaluation and OnRestore run inside other phases, which run `call_after_hooks`.
-        if self._hooks.after_hooks and phase in ("OnStart", "OnEpochEnd", "OnEnd"):
-            self._run_after_hooks()
-
-    def _run_after_hooks(self) -> None:
-        # What runs after the hooks (a checkpoint commit, a final flush) sees every log.
-        self._loop_metrics.resolve_logs(NEVER)
-        self._hooks.run_after_hooks()
-
-    def _on_signal(self, signum: int) -> None:
-        self.request_stop(f"interrupted by {signal_name(signum)}")
-
-    def _settle(self) -> None:
-        """Waits for every step in flight and checks their losses."""
-        window = self._in_flight.wait_all()
-        if window:
-            self._finite.verify(self, window)
-        self._finite.raise_failure()
-        if self._loop_metrics.pending_logs:
-            self._loop_metrics.resolve_logs(NEVER)
-
-    def _settle_between_steps(self) -> None:
-        """`_settle` where no step is half done: a rollback it causes needs no skipping."""
-        self._settle()
-        self._hooks.halted = False
-
-    @contextlib.contextmanager
-    def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
-        if self._running:
-            raise RuntimeError("this Loop is already running; a hook cannot start another run")
-        self._running = True
-        try:
-            with self._interrupts:
-                self._start_run(dataset, end_step)
-                yield
-        except BaseException as error:
-            self._in_flight.wait_all()
-            self._hooks.after_hooks.clear()
-            self._loop_metrics.pending_logs.clear()
-            self._hooks.run_error(error)
-            raise
-        finally:
-            self._running = self._hooks.scheduling = False
-        if self._interrupts.received is not None:
-            exit_interrupted(
-                self._interrupts.received, self.trainer.global_step, self.checkpointed_step
-            )
-
-    def _start_run(self, dataset: Dataset, end_step: int) -> None:
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
-        # A run that goes on with a restored checkpoint's run (the same end, a step inside
-        # it) keeps the train metrics' averages the checkpoint holds, as the uninterrupted
-        # run did; any other run starts them afresh.
-        resumed, self._resumed_run = self._resumed_run, None
-        continuing = (
-            resumed is not None
-            and 0 <= resumed["start_step"] <= self.trainer.global_step < end_step
-            and resumed["end_step"] == end_step
-        )
-        if not continuing:
-            self.trainer.reset_train_metrics()
-        self.run_index += 1
-        self.loop_step = self.trainer.global_step
-        self.start_step = self.loop_step
-        self.end_step = end_step
-        self.epoch = 0
-        self._stop_requested = False
-        self._hooks.halted = False
-        self.stop_reason = None
-        self.metrics = {}
-        self._metrics_step = self.loop_step - 1
-        self._run_phase("OnStart", dataset)
-        # After the OnStart hooks, which may restore schedule states and the step.
-        self._hooks.halted = False
-        self.loop_step = self.start_step = self.trainer.global_step
-        self._metrics_step = self.loop_step - 1
-        self._finite.start_run(self.trainer, self.loop_step)
-        if continuing:
-            self._finite.restart(self.trainer, self.loop_step)  # the restored skip count
-        for schedule in self._hooks.schedules():
-            schedule.start_run(self)
-        self._hooks.reschedule()
-        self._hooks.scheduling = True
-
-    def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
-        """Runs steps and their OnStep hooks; returns True if the dataset ended.
-
-        It runs until `loop_step` reaches `stop_step`, a stop is requested, or the dataset
-        ends. Each read is one step, or with fused execution a group of up to
-        `steps_per_execution` steps, which ends early at the next step a step-scheduled
-        OnStep hook fires at (`exact_wake_step`: a clock's fires at group ends), at
-        `stop_step`, or where the dataset ends; OnStep hooks run once, at its last step.
-
-        Before returning False it waits for the steps in flight and checks them, and goes
-        on if that rolled the run back. The per-step path of every run, kept tight: on a
-        small model the loop's own Python shows in the step rate.
-        """
-        trainer, hooks = self.trainer, self._hooks
-        most = self.steps_per_execution
-        one_step = most == 1
-        read = StepReader(dataset, most, trainer.accumulate_steps, trainer.gathers_on).read
-        run = trainer.run
-        loop_metrics = self._loop_metrics
-        push = self._in_flight.push
-        record_duration = self.train_step_durations.append
-        clock = time.perf_counter
-        while True:
-            indicator = self._finite.indicator
-            while self.loop_step < stop_step and not self._stop_requested:
-                started = clock()
-                first = self.loop_step
-                try:
-                    dispatches, ended = read(
-                        1
-                        if one_step
-                        else power_of_two_at_most(
-                            max(min(most, stop_step - first, hooks.exact_wake_step - first + 1), 1)
-                        )
-                    )
-                except (StopIteration, BadBatchError) as err:
-                    if isinstance(err, StopIteration):
-                        return True
-                    raise
-                except Exception as err:
-                    raise RuntimeError(
-                        f"dataset {shown_name(dataset)!r} failed at step "
-                        f"{self.loop_step}: {type(err).__name__}: {err}"
-                    ) from err
-                if one_step:
-                    metrics, _ = run(dispatches[0])
-                    last = first
-                else:
-                    parts = []
-                    last = first - 1
-                    for dispatch in dispatches:
-                        result = run(dispatch)
-                        parts.append((last + 1, dispatch.count, result.stacked, result.last))
-                        last += dispatch.count
-                    metrics = self._group = GroupMetrics(parts[-1][3], parts)
-                # The tail of every dispatch: the window, the checks, the hooks.
-                self.metrics = metrics
-                self._metrics_step = last
-                self._epoch_batches += last - first + 1
-                window = push(metrics[indicator], (last, metrics))
-                if window is not None:
-                    self._finite.verify(self, window)
-                    if loop_metrics.pending_logs:
-                        loop_metrics.resolve_logs(window[-1][0])
-                if not hooks.halted:
-                    self.loop_step = last
-                    hooks.step_hooks(metrics, last)
-                    if hooks.after_hooks:
-                        self._run_after_hooks()
-                record_duration((clock() - started) / (last - first + 1))
-                if hooks.halted:
-                    hooks.halted = False
-                    continue
-                self.loop_step = last + 1
-                if ended:
-                    return True
-            self._settle()
-            if not hooks.halted:
-                return False
-            hooks.halted = False
-
-    def _end_run(self) -> Metrics:
-        self._settle_between_steps()
-        self._run_phase("OnEnd", self.metrics)
-        return self.metrics
 
     def run_steps(self, dataset: Dataset | Iterable[Any], steps: int) -> Metrics:
         """Runs `steps` train steps from the current step; returns the last metrics.
@@ -644,29 +464,7 @@ class Loop:
           HookError: a hook raised.
           NonFiniteLossError: the loss became NaN or infinite.
         """
-        steps = _validate.non_negative_int("steps", steps)
-        dataset = self._iterable.dataset(dataset, self.trainer)
-        if steps == 0:
-            return {}
-        if self._hooks.of("OnEpochEnd") and not self._warned_epoch_hooks:
-            self._warned_epoch_hooks = True
-            names = [hook.name for hook in self._hooks.of("OnEpochEnd")]
-            warnings.warn(
-                f"hooks {names} run at epoch ends, which only run_epochs has; run_steps "
-                "will not call them",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        with self._run(dataset, self.trainer.global_step + steps):
-            # A stop requested by an OnStart hook runs no step, as in run_epochs.
-            if self._train_until(dataset, self.end_step):
-                done = self.loop_step - self.start_step
-                raise RuntimeError(
-                    f"reached the end of dataset {shown_name(dataset)!r} after "
-                    f"{done} of {steps} steps; use run_epochs or a looping dataset "
-                    "(e.g. ArrayDataset(..., loop_forever=True))"
-                )
-            return self._end_run()
+        return self._runner.steps(dataset, steps)
 
     def run_to_step(self, dataset: Dataset | Iterable[Any], global_step: int) -> Metrics:
         """Runs the steps left until `trainer.global_step == global_step` (resume-aware).
@@ -677,19 +475,7 @@ class Loop:
         Raises:
           ValueError: `global_step` is negative or not an int.
         """
-        global_step = _validate.non_negative_int("global_step", global_step)
-        remaining = global_step - self.trainer.global_step
-        if remaining <= 0:
-            if remaining < 0:
-                warnings.warn(
-                    f"run_to_step({global_step}): the trainer is already at global step "
-                    f"{self.trainer.global_step}, past the target; nothing to run",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            self.loop_step = self.trainer.global_step
-            return {}
-        return self.run_steps(dataset, remaining)
+        return self._runner.to_step(dataset, global_step)
 
     def run_epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
         """Runs `epochs` passes over `dataset`; resets it after each epoch.
@@ -703,25 +489,7 @@ class Loop:
           TypeError: the dataset has no `reset()`, or is an iterator.
           HookError, NonFiniteLossError: as `run_steps`.
         """
-        epochs = _validate.non_negative_int("epochs", epochs)
-        dataset = self._iterable.dataset(dataset, self.trainer)
-        check_restartable(dataset, "run_epochs")
-        with self._run(dataset, -1):
-            while self.epoch < epochs and not self._stop_requested:
-                self._epoch_batches = 0
-                if not self._train_until(dataset, NEVER):
-                    break  # a stop was requested
-                if self._epoch_batches == 0:
-                    raise ValueError(
-                        f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"
-                    )
-                self.end_step = self.loop_step + self._epoch_batches * (epochs - self.epoch - 1)
-                self._settle_between_steps()
-                self._hooks.reschedule()
-                self._run_phase("OnEpochEnd", self.metrics)
-                dataset.reset()
-                self.epoch += 1
-            return self._end_run()
+        return self._runner.epochs(dataset, epochs)
 
     def __repr__(self) -> str:
         return (
