@@ -129,8 +129,11 @@ class IterableDataset:
         self._setup(source, name, iterator=None)
 
     @classmethod
-    def _reading(cls, iterator: Iterator[Any], name: str) -> IterableDataset:
-        """An `IterableDataset` that reads `iterator` once and cannot `reset()`."""
+    def reading_once(cls, iterator: Iterator[Any], name: str) -> IterableDataset:
+        """An `IterableDataset` that reads `iterator` once and cannot `reset()`.
+
+        What `Loop.run_steps` makes of an iterator (a generator) it is given.
+        """
         dataset = cls.__new__(cls)
         dataset._setup(iterator, name, iterator=iter(iterator))
         return dataset
@@ -182,7 +185,7 @@ class IterableDataset:
             "read it again"
         )
 
-    def _check_passes(self, reader: str) -> None:
+    def check_passes(self, reader: str) -> None:
         """Checks that `reader` (evaluate, run_epochs) can read whole passes.
 
         The source must start over and end.
@@ -297,7 +300,7 @@ def as_dataset(data: Any, name: str) -> Dataset:
     elif isinstance(data, Mapping):
         hint = "; for a single batch pass [batch]"
     elif isinstance(data, Iterator):
-        return IterableDataset._reading(data, name)
+        return IterableDataset.reading_once(data, name)
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
         return IterableDataset(data, name=name)
     elif callable(data):
@@ -325,7 +328,7 @@ def evaluation_dataset(data: Any) -> Dataset:
     dataset = as_dataset(data, "eval")
     if not isinstance(dataset, IterableDataset):
         return dataset
-    dataset._check_passes("evaluate")
+    dataset.check_passes("evaluate")
     return IterableDataset(dataset.source, name=dataset.name)
 
 
@@ -338,7 +341,7 @@ def check_restartable(dataset: Dataset, reader: str) -> None:
     """
     if isinstance(dataset, IterableDataset):
         try:
-            dataset._check_passes(reader)
+            dataset.check_passes(reader)
         except TypeError as err:
             raise TypeError(f"{err}, or use run_steps") from None
     if not callable(getattr(dataset, "reset", None)):

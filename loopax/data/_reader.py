@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,11 +23,12 @@ from ._datasets import ArrayDataset, Batch, as_list, bad_batch_error, join_array
 from ._device_data import DeviceChunk
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OneStep:
+class OneStep(NamedTuple):
     """One optimizer step's batch, as the dataset yielded it (host or device arrays).
 
     With `Trainer(accumulate_steps=K)`, each array carries a leading axis of micro-batches.
+    An immutable record like the other dispatches, but a named tuple: one is built per
+    step, from the batch tuple, in ~0.1 µs (a frozen dataclass takes ~0.35 µs).
     """
 
     spec: Any
@@ -35,7 +36,7 @@ class OneStep:
     labels: list[Any]
 
     @property
-    def count(self) -> int:
+    def count(self) -> int:  # pyright: ignore[reportIncompatibleMethodOverride]
         """Optimizer steps this dispatch runs: one."""
         return 1
 
@@ -68,6 +69,7 @@ class OnDevice:
 
 
 Dispatch = OneStep | Stacked | OnDevice
+_new_tuple = tuple.__new__  # a `OneStep` from a checked batch tuple, without unpacking it
 
 
 def power_of_two_at_most(n: int) -> int:
@@ -228,11 +230,12 @@ def _read_batches(
 
 
 class StepReader:
-    """Reads a dataset's batches as dispatches: `read(n)` reads up to n optimizer steps.
+    """Reads a dataset's batches as dispatches, up to n optimizer steps per `read(n)`.
 
     A step's batch is one `yield_batch()`, or `accumulate_steps` of them stacked. With
     `steps_per_read=1` a read is one `OneStep` of the batch as the dataset yielded it
-    (nothing is chunked or copied); else the steps are chunked as the module says.
+    (nothing is chunked or copied: the per-step path); else the steps are chunked as the
+    module says.
 
     Args:
       dataset: the `Dataset` to read.
@@ -241,6 +244,12 @@ class StepReader:
       gathers_on: whether the Trainer's compiled steps take batches from arrays on these
         devices (`Trainer.gathers_on`); an on-device `ArrayDataset` on them is then read
         as `OnDevice` records.
+
+    Attributes:
+      read: `read(n) -> (dispatches, ended)`: up to n steps' dispatches, and whether the
+        dataset ended before n steps. It raises `StopIteration` when the dataset has no
+        batch left, and `ValueError` for a batch that is not `(spec, inputs, labels)` (a
+        `BadBatchError`) or (accumulating) batches of one step of another spec or shape.
     """
 
     def __init__(
@@ -250,39 +259,30 @@ class StepReader:
         accumulate_steps: int = 1,
         gathers_on: Callable[[list[Device]], bool] | None = None,
     ) -> None:
-        self._dataset = dataset
-        self._read_step = (
+        read_step = (
             dataset.yield_batch
             if accumulate_steps == 1
             else micro_batch_reader(dataset, accumulate_steps)
         )
-        self._one_step = steps_per_read == 1
-        self._read_group: Callable[[int], tuple[list[Dispatch], bool]]
+
+        def one_step(n: int) -> tuple[list[Dispatch], bool]:
+            del n  # always one
+            batch = read_step()
+            if type(batch) is not tuple or len(batch) != 3:
+                raise bad_batch_error(dataset, batch)
+            return [_new_tuple(OneStep, batch)], False
+
+        self.read: Callable[[int], tuple[list[Dispatch], bool]]
         devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
         yield_batches = getattr(dataset, "yield_batches", None)
-        if accumulate_steps != 1:
-            self._read_group = lambda n: _read_batches(dataset, self._read_step, n)
+        if steps_per_read == 1:
+            self.read = one_step
+        elif accumulate_steps != 1 or yield_batches is None:
+            self.read = lambda n: _read_batches(dataset, read_step, n)
         elif devices is not None and gathers_on is not None and gathers_on(devices):
-            self._read_group = lambda n: _read_on_device(dataset, n)
-        elif yield_batches is not None:
-            self._read_group = lambda n: _read_stacked(dataset, yield_batches, n)
+            self.read = lambda n: _read_on_device(dataset, n)
         else:
-            self._read_group = lambda n: _read_batches(dataset, self._read_step, n)
-
-    def read(self, n: int) -> tuple[list[Dispatch], bool]:
-        """Up to n steps' dispatches, and whether the dataset ended before n steps.
-
-        Raises:
-          StopIteration: the dataset has no batch left.
-          ValueError: a batch is not `(spec, inputs, labels)` (a `BadBatchError`), or
-            (accumulating) the batches of one step differ in spec or shape.
-        """
-        if self._one_step:
-            batch = self._read_step()
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(self._dataset, batch)
-            return [OneStep(*batch)], False
-        return self._read_group(n)
+            self.read = lambda n: _read_stacked(dataset, yield_batches, n)
 
 
 def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:

@@ -330,7 +330,7 @@ class Runner:
                     ) from err
                 if one_step:
                     metrics, _ = run(dispatches[0])
-                    last = first
+                    last, count = first, 1
                 else:
                     parts = []
                     last = first - 1
@@ -339,10 +339,11 @@ class Runner:
                         parts.append((last + 1, dispatch.count, result.stacked, result.last))
                         last += dispatch.count
                     metrics = self.group = GroupMetrics(parts[-1][3], parts)
+                    count = last - first + 1
                 # The one tail of every dispatch: the window, the checks, the hooks.
                 self.metrics = metrics
                 self.metrics_step = last
-                self._epoch_batches += last - first + 1
+                self._epoch_batches += count
                 window = push(metrics[indicator], (last, metrics))
                 if window is not None:
                     self._finite.verify(self._owner, window)
@@ -353,7 +354,7 @@ class Runner:
                     hooks.step_hooks(metrics, last)
                     if hooks.after_hooks:
                         self._run_after_hooks()
-                record_duration((clock() - started) / (last - first + 1))
+                record_duration((clock() - started) / count)
                 if hooks.halted:
                     hooks.halted = False
                     continue
