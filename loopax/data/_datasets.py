@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -166,6 +166,11 @@ class ArrayDataset:
         """Whether the arrays are on the devices and batches are gathered there."""
         return self._device is not None
 
+    @property
+    def devices(self) -> list[Device] | None:
+        """The devices holding the arrays (`on_device=True`), else None."""
+        return None if self._device is None else self._device.devices
+
     def _permutation(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
@@ -275,13 +280,13 @@ class ArrayDataset:
         self._position = position
         return start, batches, size
 
-    def _device_steps(self, count: int) -> tuple[list[DeviceChunk], bool]:
+    def device_steps(self, count: int) -> tuple[list[DeviceChunk], bool]:
         """The next `count` batches (or fewer at the data's end) as chunks left on the devices.
 
-        For the fused Loop (`on_device=True` only): the dataset moves on as `count` calls
-        of `yield_batch` would, but nothing is gathered; the Trainer's program gathers each
-        `DeviceChunk`. A chunk holds batches of one size and spans at most two epochs. The
-        flag says the data ended (`loop_forever=False`) before `count` batches.
+        For the fused Loop's `StepReader` (`on_device=True` only): the dataset moves on as
+        `count` calls of `yield_batch` would, but nothing is gathered; the Trainer's program
+        gathers each `DeviceChunk`. A chunk holds batches of one size and spans at most two
+        epochs. The flag says the data ended (`loop_forever=False`) before `count` batches.
 
         Raises:
           StopIteration: no batch is left.
@@ -289,7 +294,7 @@ class ArrayDataset:
         from ._device_data import DeviceChunk  # noqa: PLC0415
 
         device = self._device
-        assert device is not None, "_device_steps needs on_device=True"
+        assert device is not None, "device_steps needs on_device=True"
         chunks: list[DeviceChunk] = []
         end = self._batches_per_epoch_end()
         read, crossed = 0, True  # `crossed`: the last chunk already spans two epochs
@@ -400,14 +405,18 @@ def dataset_name(dataset: Any) -> str:
     return name
 
 
-def bad_batch_error(dataset: Any, batch: Any) -> ValueError:
+class BadBatchError(ValueError):
+    """A dataset yielded something other than `(spec, inputs, labels)`."""
+
+
+def bad_batch_error(dataset: Any, batch: Any) -> BadBatchError:
     """The error for a `yield_batch()` result that is not `(spec, inputs, labels)`."""
     size = (
         f"a tuple of {len(batch)} items"
         if isinstance(batch, tuple)
         else f"a {type(batch).__name__}"
     )
-    return ValueError(
+    return BadBatchError(
         f"dataset {shown_name(dataset)!r} yielded {size}; yield_batch() must "
         "return (spec, inputs, labels). For (inputs, labels) pairs return "
         "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
@@ -447,55 +456,3 @@ def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
     import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
 
     return jnp.stack(arrays) if stack else jnp.concatenate(arrays)
-
-
-def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
-    """`yield_batch` for gradient accumulation: up to `count` batches, stacked.
-
-    Each input and label of up to `count` consecutive batches of `dataset` is stacked on
-    a new leading axis.
-
-    A group ends early when the dataset ends after its first batch (one optimizer step
-    over fewer micro-batches); `StopIteration` only when no batch is left.
-
-    Raises:
-      ValueError: a batch is not `(spec, inputs, labels)`, or the batches of one group
-        differ in spec, number of arrays or shapes (they cannot be stacked).
-    """
-    yield_batch = dataset.yield_batch
-
-    def read() -> Batch:
-        group = []
-        while len(group) < count:
-            try:
-                batch = yield_batch()
-            except StopIteration:
-                if not group:
-                    raise
-                break
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
-            spec, inputs, labels = batch[0], as_list(batch[1]), as_list(batch[2])
-            if group:
-                _check_same_kind(dataset, group[0], (spec, inputs, labels), len(group), count)
-            group.append((spec, inputs, labels))
-        spec = group[0][0]
-        inputs = [join_arrays([g[1][i] for g in group]) for i in range(len(group[0][1]))]
-        labels = [join_arrays([g[2][i] for g in group]) for i in range(len(group[0][2]))]
-        return spec, inputs, labels
-
-    return read
-
-
-def _check_same_kind(dataset: Any, first: tuple, batch: tuple, index: int, count: int) -> None:
-    def shapes(b: tuple) -> tuple:
-        return [np.shape(a) for a in b[1]], [np.shape(a) for a in b[2]]
-
-    if first[0] != batch[0] or shapes(first) != shapes(batch):
-        raise ValueError(
-            f"dataset {shown_name(dataset)!r}: with accumulate_steps={count} the "
-            f"{count} batches of one optimizer step are stacked, so they need one spec and one "
-            f"shape; micro-batch {index} has spec {batch[0]!r} and shapes {shapes(batch)}, the "
-            f"first has spec {first[0]!r} and shapes {shapes(first)}. Give every batch the same "
-            "size (e.g. ArrayDataset(..., drop_remainder=True))"
-        )

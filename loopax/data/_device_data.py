@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._devices import AXIS, Device
+from ._datasets import ArrayDataset
 
 Gather = Callable[..., Any]
 
@@ -140,12 +141,12 @@ def check_trainer_devices(dataset: Any, trainer: Any) -> None:
     Raises:
       ValueError: `dataset` holds its arrays on devices other than `trainer.devices`.
     """
-    source = getattr(dataset, "_device", None)
-    if not isinstance(source, DeviceArrays) or jax.process_count() > 1:
+    devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
+    if devices is None or jax.process_count() > 1:
         return
-    if trainer.gathers_on(source.devices):
+    if trainer.gathers_on(devices):
         return
-    held = [device.id for device in source.devices]
+    held = [device.id for device in devices]
     used = [device.id for device in trainer.devices]
     raise ValueError(
         f"ArrayDataset {dataset.name!r} holds its arrays on devices {held} (on_device=True), "

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..trainer._state import skipped_steps
 from ..trainer._steps import SKIPPED_STEPS
+from ._loop_metrics import GroupMetrics
 
 MOVING_AVERAGE = "moving_average_loss"
 
@@ -34,26 +35,6 @@ class NonFiniteLossError(FloatingPointError):
 
 def _as_float(value: Any) -> float:
     return float(np.asarray(value))
-
-
-class GroupMetrics(dict):
-    """The metrics of the last step of a group of fused steps (`steps_per_execution`).
-
-    A dict like any step's metrics, which also carries every step's: `chunks` lists
-    `(first loop step, step count, stacked metrics or None, last metrics)` per compiled
-    call of the group (a call of one step has no stacked metrics: its last are its own).
-    """
-
-    def __init__(self, last: dict[str, Any], chunks: list[tuple[int, int, Any, Any]]):
-        super().__init__(last)
-        self.chunks = chunks
-
-    def stacked(self, key: str) -> list[tuple[int, Any]]:
-        """`(first step, values with a leading steps axis)` of `key`, per chunk, on device."""
-        return [
-            (first, last[key][None] if stacked is None else stacked[key])
-            for first, _, stacked, last in self.chunks
-        ]
 
 
 def per_step(window: Window, key: str) -> list[tuple[int, float]]:

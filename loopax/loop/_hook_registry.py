@@ -1,21 +1,16 @@
-"""The Loop's hooks: registration, schedules, dispatch in priority order, resumable state."""
+"""The hooks of a loop: registration, schedules, dispatch in priority order, hook states."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-import numpy as np
-
-from ..data._datasets import Dataset
+from .. import _validate
 from ._finite import NonFiniteLossError
-from ._history import Evaluation
-from ._hook import NEVER, Hook, HookError, Priority, Schedule
-
-if TYPE_CHECKING:
-    from ._loop import Loop
+from ._hook import NEVER, Hook, HookError, Priority, RunInfo, Schedule
 
 Metrics = dict[str, Any]
 PHASES = (
@@ -28,47 +23,51 @@ PHASES = (
     "OnFlush",
     "OnError",
 )
+_logger = logging.getLogger("loopax")
 
 
 class HookRegistry:
-    """The part of `Loop` that holds its hooks and runs them; see `Loop`.
+    """Holds the hooks of each phase and runs them.
 
     Hooks of a phase run in ascending priority, ties in registration order. A scheduled
     hook's schedule is asked only from the step it named (`Schedule.next_step`), so the
     steps where no scheduled hook is due cost one comparison.
+
+    Args:
+      owner: what every hook receives as its first argument (the loop).
+      run: where the run stands, for the schedules and for the step errors name.
+      before: called with a hook registered with `check_finite` before it runs (the
+        finite check, which may halt the phase).
+
+    Attributes:
+      halted: True while the run has gone back to an earlier step (a rollback): the
+        hooks left in the phase running are skipped. The owner sets and clears it.
+      scheduling: True from a run's first step until its end: a step schedule registered
+        then starts at once.
+      wake_step: the next step at which a step-scheduled OnStep hook may fire.
+      exact_wake_step: the next step at which a hook fires by steps, not by the clock;
+        fused groups end there.
+      after_hooks: what `call_after_hooks` deferred, run by `run_after_hooks`.
     """
 
-    # Provided by `Loop` and its metrics part.
-    loop_step: int
-    start_step: int
-    end_step: int
-    history: Any
-    _running: bool
-    _rewound: bool
-    check_finite: Callable[[], None]
-    _resolve_logs: Callable[[int], None]
-
-    @property
-    def _as_loop(self) -> Loop:
-        # Every HookRegistry is a Loop (its base class): schedules are handed the loop.
-        return cast("Loop", self)
-
-    def __init__(self) -> None:
+    def __init__(self, owner: Any, run: RunInfo, before: Callable[[Hook], None]) -> None:
+        self._owner = owner
+        self._run = run
+        self._before = before
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
         self._every_step: list[Hook] = []  # OnStep hooks visited after every step
-        self._wake_step = NEVER  # the next step at which a step-scheduled hook may fire
-        # The next step a hook fires at by steps, not by the clock: fused groups end there.
-        self._exact_wake_step = NEVER
-        self._scheduling = False  # True from a run's first step: its schedules have started
         self._states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
-        self._after_hooks: list[Callable[[], None]] = []
-        self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
+        self.halted = False
+        self.scheduling = False
+        self.wake_step = NEVER
+        self.exact_wake_step = NEVER
+        self.after_hooks: list[Callable[[], None]] = []
 
-    # -- hook registration ----------------------------------------------------------------
+    # -- registration ---------------------------------------------------------------------
 
-    def _register(
+    def register(
         self,
         phase: str,
         name: str,
@@ -77,15 +76,18 @@ class HookRegistry:
         when: Schedule | None = None,
         check_finite: bool | None = None,
     ) -> Hook:
+        """Adds a hook to `phase` in its priority order; see `Loop.on_step`.
+
+        Raises:
+          ValueError: `name` is not a non-empty str.
+          TypeError: `fn` is not callable, `priority` not an int, or `when` not a
+            schedule for this phase.
+        """
         if not isinstance(name, str) or not name:
             raise ValueError(f"a hook needs a non-empty name, got {name!r}")
         if not callable(fn):
             raise TypeError(f"hook {name!r}: fn must be callable, got {type(fn).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise TypeError(
-                f"hook {name!r}: priority must be an int such as loopax.Priority.CHECKPOINT, "
-                f"got {priority!r}"
-            )
+        priority = _validate.priority(priority, where=f"hook {name!r}: ")
         if when is not None:
             if not isinstance(when, Schedule):
                 raise TypeError(
@@ -97,12 +99,12 @@ class HookRegistry:
                 where = "on_epoch_end" if at_epoch_end else "on_step"
                 raise TypeError(f"hook {name!r}: {when!r} is a schedule for loop.{where}")
         if check_finite is None:
-            check_finite = int(priority) >= Priority.CHECKPOINT and phase in (
+            check_finite = priority >= Priority.CHECKPOINT and phase in (
                 "OnStep",
                 "OnEpochEnd",
                 "OnEnd",
             )
-        hook = Hook(phase, name, fn, int(priority), next(self._order), when, bool(check_finite))
+        hook = Hook(phase, name, fn, priority, next(self._order), when, bool(check_finite))
         # A new list, not an insertion: a phase that is running (a hook registering another)
         # goes on over the list it started with; the new hook runs from the next time.
         hooks = list(self._hooks[phase])
@@ -112,123 +114,25 @@ class HookRegistry:
             self._every_step = [h for h in hooks if h.every_step]
         if when is not None:
             self.add_state(name, hook)
-            if self._scheduling:  # registered during a run's steps: schedule it from here
-                when.start_run(self._as_loop)
-                self._reschedule()
+            if self.scheduling:  # registered during a run's steps: schedule it from here
+                when.start_run(self._run)
+                self.reschedule()
         return hook
 
-    def on_start(self, name: str, fn: Callable[[Loop, Dataset], Any], priority: int = 0) -> Hook:
-        """Registers `fn(loop, dataset)` to run at the start of every run."""
-        return self._register("OnStart", name, fn, priority)
+    def of(self, phase: str) -> list[Hook]:
+        """The hooks of `phase` in run order.
 
-    def on_step(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        when: Schedule | None = None,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run after every train step, or when `when` fires.
-
-        `when` is a step schedule (e.g. `hooks.EveryNSteps(100)`).
-
-        Args:
-          name: the hook's name, in messages and `hooks()`.
-          fn: `fn(loop, metrics)`.
-          priority: lower runs first (see `Priority`).
-          when: a step `Schedule`; the loop calls `fn` only when it fires, and asks it
-            only at the steps it may fire. Its state is checkpointed under `name`.
-          check_finite: check that every loss so far is finite before calling `fn` (a
-            wait for the device). Default: True for priority >= `Priority.CHECKPOINT`.
-            Hooks that only read device values when they act can pass False and call
-            `loop.check_finite()` themselves.
-
-        Returns:
-          The registered `Hook`.
+        Raises:
+          ValueError: `phase` is not one of `PHASES`.
         """
-        return self._register("OnStep", name, fn, priority, when, check_finite)
-
-    def on_epoch_end(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        when: Schedule | None = None,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`.
-
-        Or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`; after the OnStep hooks of the
-        epoch's last step. `loop.epoch` is the epoch that ended, and, as in OnEnd, `loop_step` is
-        one past its last step (`== trainer.global_step`).
-        """
-        return self._register("OnEpochEnd", name, fn, priority, when, check_finite)
-
-    def on_end(
-        self,
-        name: str,
-        fn: Callable[[Loop, Metrics], Any],
-        priority: int = 0,
-        *,
-        check_finite: bool | None = None,
-    ) -> Hook:
-        """Registers `fn(loop, metrics)` to run at the end of a run (the last metrics)."""
-        return self._register("OnEnd", name, fn, priority, None, check_finite)
-
-    def on_evaluation(
-        self, name: str, fn: Callable[[Loop, Evaluation], Any], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, evaluation)` to run for every `Evaluation` of `loop.evaluate`.
-
-        `loop.evaluate` publishes one per dataset and global step.
-        """
-        return self._register("OnEvaluation", name, fn, priority)
-
-    def on_restore(self, name: str, fn: Callable[[Loop, int], Any], priority: int = 0) -> Hook:
-        """Registers `fn(loop, step)` to run whenever the training continues from an earlier `step`.
-
-        `step` is a global step (`resume_from`: a checkpoint restore or a rollback); writers drop
-        what they wrote after `step` there.
-        """
-        return self._register("OnRestore", name, fn, priority)
-
-    def on_flush(
-        self, name: str, fn: Callable[[Loop, None], Callable[[], None] | None], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, None)` to run when `loop.flush()` is called.
-
-        `loop.flush()` runs before every checkpoint commit: `fn` starts writing out what its output
-        holds and may return a function that waits until that is on disk.
-        """
-        return self._register("OnFlush", name, fn, priority)
-
-    def on_error(
-        self, name: str, fn: Callable[[Loop, BaseException], Any], priority: int = 0
-    ) -> Hook:
-        """Registers `fn(loop, error)` to run when a run raises.
-
-        Its own errors are logged, and the run's error propagates; e.g. to wait for saves in flight.
-        """
-        return self._register("OnError", name, fn, priority)
-
-    def hooks(self, phase: str) -> list[tuple[int, str]]:
-        """The `(priority, name)` of the hooks of `phase` (one of `PHASES`) in run order."""
         if phase not in self._hooks:
             raise ValueError(f"unknown phase {phase!r}; the phases are {list(PHASES)}")
-        return [(h.priority, h.name) for h in self._hooks[phase]]
+        return self._hooks[phase]
 
-    # -- state that checkpoints carry -----------------------------------------------------
+    # -- states that checkpoints carry ----------------------------------------------------
 
     def add_state(self, name: str, obj: Any) -> str:
-        """Registers `obj` so that checkpoints save and restore it with the loop.
-
-        `obj` has `get_state() -> dict` and `set_state(dict)`. Returns the name it is kept under
-        (`name`, or `name#2`, ... when taken). A state saved under that name and not applied yet is
-        applied now.
-        """
+        """Keeps `obj` under `name` (or `name#2`, ...); see `Loop.add_state`."""
         if not (
             callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
         ):
@@ -241,77 +145,61 @@ class HookRegistry:
             obj.set_state(self._pending_states.pop(unique))
         return unique
 
-    def get_state(self) -> dict[str, Any]:
-        """The loop's resumable state (JSON-serializable).
+    def get_states(self) -> dict[str, Any]:
+        """`{name: state}` of every object kept by `add_state`."""
+        return {name: obj.get_state() for name, obj in self._states.items()}
 
-        It holds the history, every state registered with `add_state` (trigger schedules, early
-        stopping, ...), and the run in progress (so that resuming it continues its train metrics'
-        averages).
-        """
-        return {
-            "history": self.history.get_state(),
-            "hooks": {name: obj.get_state() for name, obj in self._states.items()},
-            "run": {"start_step": self.start_step, "end_step": self.end_step}
-            if self._running
-            else None,
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restores a `get_state()` result.
-
-        States of hooks not registered yet wait for their registration.
-        """
-        if "history" in state:
-            self.history.set_state(state["history"])
-        self._resumed_run = state.get("run")
-        for name, hook_state in state.get("hooks", {}).items():
+    def set_states(self, states: dict[str, Any]) -> None:
+        """Applies `get_states()` results; those of objects not kept yet wait for them."""
+        for name, state in states.items():
             if name in self._states:
-                self._states[name].set_state(hook_state)
+                self._states[name].set_state(state)
             else:
-                self._pending_states[name] = hook_state
+                self._pending_states[name] = state
 
-    def call_after_hooks(self, fn: Callable[[], None]) -> None:
-        """Runs `fn()` once the hooks of the current phase have all run.
+    # -- schedules ------------------------------------------------------------------------
 
-        That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
-        commits there, after the logs of its step are written.
-        """
-        if self._running:
-            self._after_hooks.append(fn)
-        else:
-            fn()
-
-    # -- running hooks --------------------------------------------------------------------
-
-    def _scheduled(self) -> Iterator[Hook]:
+    def schedules(self) -> Iterator[Schedule]:
+        """The schedules of the scheduled hooks (OnStep and OnEpochEnd)."""
         for phase in ("OnStep", "OnEpochEnd"):
             for hook in self._hooks[phase]:
                 if hook.schedule is not None:
-                    yield hook
+                    yield hook.schedule
 
     def _step_scheduled(self) -> Iterator[Hook]:
         """The OnStep hooks whose schedule names its next step (not asked every step)."""
         return (h for h in self._hooks["OnStep"] if not h.every_step)
 
-    def _reschedule(self) -> None:
+    def reschedule(self) -> None:
         """Asks every step schedule for its next step from the current one."""
+        step = self._run.loop_step
         for hook in self._step_scheduled():
             schedule = hook.schedule
             assert schedule is not None, "a hook not asked every step has a schedule"
-            hook.next = schedule.next_step(self._as_loop, self.loop_step)
+            hook.next = schedule.next_step(self._run, step)
         self._set_wake_steps()
+
+    def _set_wake_steps(self) -> None:
+        hooks = list(self._step_scheduled())
+        self.wake_step = min((h.next for h in hooks), default=NEVER)
+        self.exact_wake_step = min(
+            (h.next for h in hooks if h.schedule is not None and not h.schedule.time_based),
+            default=NEVER,
+        )
+
+    # -- dispatch -------------------------------------------------------------------------
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
-            self.check_finite()
-            if self._rewound:
+            self._before(hook)
+            if self.halted:
                 return
         try:
-            hook.fn(self, argument)
+            hook.fn(self._owner, argument)
         except NonFiniteLossError:
             raise
         except Exception as err:
-            raise HookError(hook.phase, hook.name, self.loop_step, err) from err
+            raise HookError(hook.phase, hook.name, self._run.loop_step, err) from err
 
     def _visit(self, hook: Hook, argument: Any, step: int) -> None:
         """Calls `hook` if its schedule (if any) fires at `step`."""
@@ -319,41 +207,36 @@ class HookRegistry:
         if schedule is None:
             self._call(hook, argument)
             return
+        run = self._run
         if not schedule.checks_every_step:
             if hook.next > step:
                 return
-            fire = schedule.should_fire(self._as_loop)
-            hook.next = schedule.next_step(self._as_loop, step + 1)
+            fire = schedule.should_fire(run)
+            hook.next = schedule.next_step(run, step + 1)
         else:
-            fire = schedule.should_fire(self._as_loop)
+            fire = schedule.should_fire(run)
         if fire:
             self._call(hook, argument)
-            schedule.fired(self._as_loop)
+            schedule.fired(run)
 
-    def _set_wake_steps(self) -> None:
-        hooks = list(self._step_scheduled())
-        self._wake_step = min((h.next for h in hooks), default=NEVER)
-        self._exact_wake_step = min(
-            (h.next for h in hooks if h.schedule is not None and not h.schedule.time_based),
-            default=NEVER,
-        )
-
-    def _step_hooks(self, metrics: Metrics, step: int) -> None:
-        if step >= self._wake_step:
+    def step_hooks(self, metrics: Metrics, step: int) -> None:
+        """Runs the OnStep hooks due after loop step `step`."""
+        if step >= self.wake_step:
             for hook in self._hooks["OnStep"]:
-                if self._rewound:
+                if self.halted:
                     return
                 self._visit(hook, metrics, step)
             self._set_wake_steps()
         else:
+            owner = self._owner
             for hook in self._every_step:
-                if self._rewound:
+                if self.halted:
                     return
                 if hook.schedule is None and not hook.check_finite:
                     # The common every-step hook (a progress bar), without `_visit`/`_call`:
                     # on a small model each call shows in the step rate.
                     try:
-                        hook.fn(self, metrics)
+                        hook.fn(owner, metrics)
                     except NonFiniteLossError:
                         raise
                     except Exception as err:
@@ -361,17 +244,39 @@ class HookRegistry:
                 else:
                     self._visit(hook, metrics, step)
 
-    def _run_after_hooks(self) -> None:
-        # What runs after the hooks (a checkpoint commit, a final flush) sees every log.
-        self._resolve_logs(NEVER)
-        pending, self._after_hooks = self._after_hooks, []
-        for fn in pending:
-            fn()
-
-    def _run_phase(self, phase: str, argument: Any) -> None:
-        step = self.loop_step
+    def run_phase(self, phase: str, argument: Any) -> None:
+        """Runs the hooks of `phase` due now, with `argument`."""
+        step = self._run.loop_step
         for hook in self._hooks[phase]:
             self._visit(hook, argument, step)
-        # OnEvaluation and OnRestore run inside other phases, which run `call_after_hooks`.
-        if self._after_hooks and phase in ("OnStart", "OnEpochEnd", "OnEnd"):
-            self._run_after_hooks()
+
+    def run_flush(self) -> Callable[[], None]:
+        """Runs the OnFlush hooks; returns a function that runs the waits they handed back."""
+        waiters = []
+        for hook in self._hooks["OnFlush"]:
+            try:
+                waiter = hook.fn(self._owner, None)
+            except Exception as err:
+                raise HookError("OnFlush", hook.name, self._run.loop_step, err) from err
+            if callable(waiter):
+                waiters.append(waiter)
+
+        def wait() -> None:
+            for waiter in waiters:
+                waiter()
+
+        return wait
+
+    def run_error(self, error: BaseException) -> None:
+        """Runs the OnError hooks; their own errors are logged (the run's is the one raised)."""
+        for hook in self._hooks["OnError"]:
+            try:
+                hook.fn(self._owner, error)
+            except Exception:
+                _logger.exception("OnError hook %r failed", hook.name)
+
+    def run_after_hooks(self) -> None:
+        """Runs, once, what `after_hooks` holds."""
+        pending, self.after_hooks = self.after_hooks, []
+        for fn in pending:
+            fn()

@@ -3,37 +3,27 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import logging
-import numbers
-import sys
-import time
-import warnings
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
-from ..data._datasets import Dataset, bad_batch_error, micro_batch_reader, shown_name
-from ..data._iterables import RunIterable, check_restartable
-from ..trainer._inflight import InFlight, limit_for
+from .. import _validate
+from ..data._datasets import Dataset
 from ..trainer._trainer import Trainer
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
-from ._fused_loop import FusedRuns
-from ._history import History
-from ._hook import NEVER
-from ._hook_registry import PHASES
-from ._loop_metrics import MetricsAccess
-from ._signals import Interrupts, signal_name
+from ._history import Evaluation, History
+from ._hook import NEVER, Hook, Schedule
+from ._hook_registry import PHASES, HookRegistry
+from ._loop_metrics import LogFn, LoopMetrics
+from ._runner import Runner
 
 Metrics = dict[str, Any]
 _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
-_logger = logging.getLogger("loopax")
 
 __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
 
-class Loop(FusedRuns, MetricsAccess):
+class Loop:
     """Runs a `Trainer` over a dataset for some steps or epochs, firing hooks.
 
     Hooks run in ascending priority (ties in registration order) and receive the loop:
@@ -107,50 +97,301 @@ class Loop(FusedRuns, MetricsAccess):
     def __init__(self, trainer: Trainer, steps_per_execution: int = 1):
         if not isinstance(trainer, Trainer):
             raise TypeError(f"Loop needs a loopax.Trainer, got {type(trainer).__name__}")
-        if (
-            isinstance(steps_per_execution, bool)
-            or not isinstance(steps_per_execution, numbers.Integral)
-            or steps_per_execution < 1
-        ):
-            raise ValueError(
-                "steps_per_execution must be a positive int (the most steps per compiled "
-                f"call), got {steps_per_execution!r}"
-            )
-        super().__init__()
         self.trainer = trainer
-        self.steps_per_execution = int(steps_per_execution)
-        self.loop_step = trainer.global_step
-        self.start_step = trainer.global_step
-        self.end_step = -1
-        self.epoch = 0
-        self.run_index = 0
-        self.metrics: Metrics = {}
-        self._group = None  # the latest fused group (see FusedRuns)
+        self.steps_per_execution = _validate.positive_int(
+            "steps_per_execution", steps_per_execution
+        )
         self.history = History()
         self.shared_data: dict[str, Any] = {}
         self.train_step_durations: collections.deque[float] = collections.deque(
             maxlen=_DURATIONS_KEPT
         )
-        self.stop_reason: str | None = None
         self.checkpointed_step: int | None = None
-        self._running = False
-        self._stop_requested = False
-        self._rewound = False
-        self._metrics_step = -1
-        self._epoch_batches = 0
-        self._warned_epoch_hooks = False
-        self._pending_error: BaseException | None = None
+        # Before a hook registered with `check_finite`: the check (which may roll back).
+        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite())
+        self._loop_metrics = LoopMetrics(
+            trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
+        )
         self._finite = FiniteChecker()
-        self._in_flight = InFlight(limit_for(trainer.num_devices))
-        self._interrupts = Interrupts(self._on_signal)
-        self._iterable = RunIterable()
+        self._runner = Runner(
+            trainer,
+            self.steps_per_execution,
+            self._hooks,
+            self._loop_metrics,
+            self._finite,
+            self,
+            self.train_step_durations,
+            lambda: self.checkpointed_step,
+        )
 
-    # -- what hooks ask of the loop -------------------------------------------------------
+    # -- where the run stands -------------------------------------------------------------
+
+    @property
+    def loop_step(self) -> int:
+        """The step being run (see the class)."""
+        return self._runner.loop_step
+
+    @property
+    def start_step(self) -> int:
+        """The first step of the current run."""
+        return self._runner.start_step
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step of the run; -1 while unknown (see the class)."""
+        return self._runner.end_step
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch of `run_epochs` (0-based)."""
+        return self._runner.epoch
+
+    @property
+    def run_index(self) -> int:
+        """Incremented at the start of every run."""
+        return self._runner.run_index
+
+    @property
+    def metrics(self) -> Metrics:
+        """The latest step's metrics, on the device."""
+        return self._runner.metrics
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The reason given to `request_stop`, or None."""
+        return self._runner.stop_reason
 
     @property
     def running(self) -> bool:
         """Whether a run (`run_steps`, `run_epochs`) is in progress."""
-        return self._running
+        return self._runner.running
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def on_start(self, name: str, fn: Callable[[Loop, Dataset], Any], priority: int = 0) -> Hook:
+        """Registers `fn(loop, dataset)` to run at the start of every run."""
+        return self._hooks.register("OnStart", name, fn, priority)
+
+    def on_step(
+        self,
+        name: str,
+        fn: Callable[[Loop, Metrics], Any],
+        priority: int = 0,
+        *,
+        when: Schedule | None = None,
+        check_finite: bool | None = None,
+    ) -> Hook:
+        """Registers `fn(loop, metrics)` to run after every train step, or when `when` fires.
+
+        `when` is a step schedule (e.g. `hooks.EveryNSteps(100)`).
+
+        Args:
+          name: the hook's name, in messages and `hooks()`.
+          fn: `fn(loop, metrics)`.
+          priority: lower runs first (see `Priority`).
+          when: a step `Schedule`; the loop calls `fn` only when it fires, and asks it
+            only at the steps it may fire. Its state is checkpointed under `name`.
+          check_finite: check that every loss so far is finite before calling `fn` (a
+            wait for the device). Default: True for priority >= `Priority.CHECKPOINT`.
+            Hooks that only read device values when they act can pass False and call
+            `loop.check_finite()` themselves.
+
+        Returns:
+          The registered `Hook`.
+        """
+        return self._hooks.register("OnStep", name, fn, priority, when, check_finite)
+
+    def on_epoch_end(
+        self,
+        name: str,
+        fn: Callable[[Loop, Metrics], Any],
+        priority: int = 0,
+        *,
+        when: Schedule | None = None,
+        check_finite: bool | None = None,
+    ) -> Hook:
+        """Registers `fn(loop, metrics)` to run at the end of each epoch of `run_epochs`.
+
+        Or of the epochs `when` picks, e.g. `hooks.EveryNEpochs(2)`; after the OnStep hooks of the
+        epoch's last step. `loop.epoch` is the epoch that ended, and, as in OnEnd, `loop_step` is
+        one past its last step (`== trainer.global_step`).
+        """
+        return self._hooks.register("OnEpochEnd", name, fn, priority, when, check_finite)
+
+    def on_end(
+        self,
+        name: str,
+        fn: Callable[[Loop, Metrics], Any],
+        priority: int = 0,
+        *,
+        check_finite: bool | None = None,
+    ) -> Hook:
+        """Registers `fn(loop, metrics)` to run at the end of a run (the last metrics)."""
+        return self._hooks.register("OnEnd", name, fn, priority, None, check_finite)
+
+    def on_evaluation(
+        self, name: str, fn: Callable[[Loop, Evaluation], Any], priority: int = 0
+    ) -> Hook:
+        """Registers `fn(loop, evaluation)` to run for every `Evaluation` of `loop.evaluate`.
+
+        `loop.evaluate` publishes one per dataset and global step.
+        """
+        return self._hooks.register("OnEvaluation", name, fn, priority)
+
+    def on_restore(self, name: str, fn: Callable[[Loop, int], Any], priority: int = 0) -> Hook:
+        """Registers `fn(loop, step)` to run whenever the training continues from an earlier `step`.
+
+        `step` is a global step (`resume_from`: a checkpoint restore or a rollback); writers drop
+        what they wrote after `step` there.
+        """
+        return self._hooks.register("OnRestore", name, fn, priority)
+
+    def on_flush(
+        self, name: str, fn: Callable[[Loop, None], Callable[[], None] | None], priority: int = 0
+    ) -> Hook:
+        """Registers `fn(loop, None)` to run when `loop.flush()` is called.
+
+        `loop.flush()` runs before every checkpoint commit: `fn` starts writing out what its output
+        holds and may return a function that waits until that is on disk.
+        """
+        return self._hooks.register("OnFlush", name, fn, priority)
+
+    def on_error(
+        self, name: str, fn: Callable[[Loop, BaseException], Any], priority: int = 0
+    ) -> Hook:
+        """Registers `fn(loop, error)` to run when a run raises.
+
+        Its own errors are logged, and the run's error propagates; e.g. to wait for saves in flight.
+        """
+        return self._hooks.register("OnError", name, fn, priority)
+
+    def hooks(self, phase: str) -> list[tuple[int, str]]:
+        """The `(priority, name)` of the hooks of `phase` (one of `PHASES`) in run order."""
+        return [(h.priority, h.name) for h in self._hooks.of(phase)]
+
+    def call_after_hooks(self, fn: Callable[[], None]) -> None:
+        """Runs `fn()` once the hooks of the current phase have all run.
+
+        That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
+        commits there, after the logs of its step are written.
+        """
+        if self._runner.running:
+            self._hooks.after_hooks.append(fn)
+        else:
+            fn()
+
+    # -- state that checkpoints carry -----------------------------------------------------
+
+    def add_state(self, name: str, obj: Any) -> str:
+        """Registers `obj` so that checkpoints save and restore it with the loop.
+
+        `obj` has `get_state() -> dict` and `set_state(dict)`. Returns the name it is kept under
+        (`name`, or `name#2`, ... when taken). A state saved under that name and not applied yet is
+        applied now.
+        """
+        return self._hooks.add_state(name, obj)
+
+    def get_state(self) -> dict[str, Any]:
+        """The loop's resumable state (JSON-serializable).
+
+        It holds the history, every state registered with `add_state` (trigger schedules, early
+        stopping, ...), and the run in progress (so that resuming it continues its train metrics'
+        averages).
+        """
+        return {
+            "history": self.history.get_state(),
+            "hooks": self._hooks.get_states(),
+            "run": {"start_step": self.start_step, "end_step": self.end_step}
+            if self._runner.running
+            else None,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores a `get_state()` result.
+
+        States of hooks not registered yet wait for their registration.
+        """
+        if "history" in state:
+            self.history.set_state(state["history"])
+        self._runner.remember_run(state.get("run"))
+        self._hooks.set_states(state.get("hooks", {}))
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def host_metrics(self) -> dict[str, float]:
+        """The latest step's metrics as Python floats (it waits for that step).
+
+        Read from the device at most once per step, however many hooks ask.
+        """
+        return self._loop_metrics.host(self._runner.metrics, self._runner.metrics_step)
+
+    def record_train_metrics(self) -> dict[str, float]:
+        """Records the latest step's metrics in `history`; returns them keyed `"train/<metric>"`.
+
+        Reads them as `host_metrics` does and records them at their global step. Writers
+        call it on the steps they log.
+        """
+        return self._loop_metrics.record(self._runner.metrics, self._runner.metrics_step)
+
+    def log_train_metrics(self, fn: LogFn, extra: dict[str, Any] | None = None) -> None:
+        """Logs the latest step's train metrics without waiting for the device.
+
+        Once the step has finished (when the loop next waits for it anyway: at most one
+        in-flight window later, or at the latest at `check_finite`, `flush` or the end of
+        the run) its metrics are read (once, however many writers asked), recorded in
+        `history` at their global step, and `fn(global_step, values)` is called with
+        `values` keyed `"train/<metric>"`, plus this caller's `extra` (`{key: device
+        scalar}`, e.g. the learning rate), read at the same time and recorded too.
+        """
+        self._loop_metrics.log(self._runner.metrics, self._runner.metrics_step, fn, extra)
+        if not self._runner.running:
+            self._loop_metrics.resolve_logs(NEVER)
+
+    def flush(self) -> Callable[[], None]:
+        """Hands the pending train logs to their writers and asks every output to write out.
+
+        The outputs are the OnFlush hooks. Returns a function that waits until all of it is
+        on disk.
+
+        A checkpoint calls it after the hooks of the step it saves and waits before it
+        commits, so that a resumed run's logs hold every point up to the checkpoint.
+        """
+        self._loop_metrics.resolve_logs(NEVER)
+        return self._hooks.run_flush()
+
+    def evaluate(self, dataset: Dataset) -> Evaluation:
+        """Evaluates `dataset` at the current global step, once.
+
+        A second call at the same step returns the same `Evaluation`. A new evaluation is
+        recorded in `history` (`"eval/<dataset>/<metric>"`) and published to the
+        OnEvaluation hooks.
+
+        Raises:
+          ValueError: the dataset has no non-empty str `name`.
+        """
+        return self._loop_metrics.evaluate(dataset)
+
+    def evaluation(self, dataset: str) -> Evaluation | None:
+        """The evaluation of dataset `dataset` (a name) at the current global step, if any."""
+        return self._loop_metrics.evaluation(dataset)
+
+    @property
+    def group_metrics(self) -> dict[str, Any]:
+        """Every step's metrics of the latest group of fused steps.
+
+        `{name: values with a leading axis of the group's steps}` on the device, the last
+        step's values last (with `steps_per_execution=1`: the latest step's, axis of 1).
+        A host metric's entry is its value after the group. The group's first loop step is
+        `loop_step - len(values) + 1` while OnStep hooks run.
+        """
+        group = self._runner.group
+        if group is None:
+            import jax.numpy as jnp  # noqa: PLC0415
+
+            return {key: jnp.asarray(value)[None] for key, value in self.metrics.items()}
+        return group.every_step()
+
+    # -- what hooks ask of the loop -------------------------------------------------------
 
     def report_error(self, error: BaseException) -> None:
         """Makes the run raise `error` once the current step's hooks have run.
@@ -158,19 +399,11 @@ class Loop(FusedRuns, MetricsAccess):
         Safe to call from another thread (e.g. a background save that failed). Outside a
         run, the next run raises it at its start.
         """
-
-        def raise_it() -> None:
-            raise error
-
-        if self._running:
-            self._after_hooks.append(raise_it)
-        else:
-            self._pending_error = error
+        self._runner.report_error(error)
 
     def request_stop(self, reason: str = "") -> None:
         """Ends the run after the current step's hooks; OnEnd hooks still run."""
-        self._stop_requested = True
-        self.stop_reason = reason
+        self._runner.request_stop(reason)
 
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
         """Makes `fn(loop, steps)` handle the steps the trainer skipped, instead of a warning.
@@ -186,8 +419,7 @@ class Loop(FusedRuns, MetricsAccess):
         Raises:
           NonFiniteLossError: naming the first step whose loss is NaN or infinite.
         """
-        if self._finite.checked_through < self._metrics_step or self._finite.failure:
-            self._settle()
+        self._runner.check_finite()
 
     def resume_from(self, step: int, state: dict[str, Any] | None = None) -> None:
         """Continues from global step `step`, to which the trainer's state was just set.
@@ -202,197 +434,16 @@ class Loop(FusedRuns, MetricsAccess):
         self.history.truncate_after(step)
         if state is not None:
             self.set_state(state)
-        self._evaluations_step = -1
-        self._pending_logs = [entry for entry in self._pending_logs if entry[0] < step]
-        if self._running:
-            self._in_flight.wait_all()
-            self._finite.restart(self.trainer, step)
-            self.loop_step = step
-            self._rewound = True
-            for hook in self._scheduled():
-                if hook.schedule is not None:  # always: `_scheduled` yields only these
-                    hook.schedule.restart(self)
-            self._reschedule()
-        else:
-            self.loop_step = self.start_step = step
-        self._run_phase("OnRestore", step)
-
-    # -- timing ---------------------------------------------------------------------------
+        self._loop_metrics.forget_from(step)
+        self._runner.rewind(step)
+        self._hooks.run_phase("OnRestore", step)
 
     def median_train_step_duration(self) -> float:
         """The median step duration in seconds (hooks included); 1 ms with no steps."""
-        if not self.train_step_durations:
-            return 1e-3
         ordered = sorted(self.train_step_durations)
-        return ordered[len(ordered) // 2]
+        return ordered[len(ordered) // 2] if ordered else 1e-3
 
     # -- running --------------------------------------------------------------------------
-
-    def _on_signal(self, signum: int) -> None:
-        self.request_stop(f"interrupted by {signal_name(signum)}")
-
-    def _settle(self) -> None:
-        """Waits for every step in flight and checks their losses."""
-        window = self._in_flight.wait_all()
-        if window:
-            self._finite.verify(self, window)
-        self._finite.raise_failure()
-        if self._pending_logs:
-            self._resolve_logs(NEVER)
-
-    def _settle_between_steps(self) -> None:
-        """`_settle` where no step is half done: a rollback it causes needs no skipping."""
-        self._settle()
-        self._rewound = False
-
-    @contextlib.contextmanager
-    def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
-        if self._running:
-            raise RuntimeError("this Loop is already running; a hook cannot start another run")
-        self._running = True
-        try:
-            with self._interrupts:
-                self._start_run(dataset, end_step)
-                yield
-        except BaseException as error:
-            self._in_flight.wait_all()
-            self._after_hooks.clear()
-            self._pending_logs.clear()
-            for hook in self._hooks["OnError"]:
-                try:
-                    hook.fn(self, error)
-                except Exception:  # the run's own error is the one to report
-                    _logger.exception("OnError hook %r failed", hook.name)
-            raise
-        finally:
-            self._running = self._scheduling = False
-        if self._interrupts.received is not None:
-            self._exit_interrupted(self._interrupts.received)
-
-    def _exit_interrupted(self, signum: int) -> None:
-        step = self.trainer.global_step
-        if self.checkpointed_step == step:
-            saved = f"saved checkpoint {step}; run again to resume"
-        elif self.checkpointed_step is not None:
-            saved = f"the newest checkpoint is {self.checkpointed_step}; run again to resume"
-        else:
-            saved = "no checkpoint hook is attached, so nothing was saved"
-        print(f"interrupted at step {step}; {saved}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
-
-    def _start_run(self, dataset: Dataset, end_step: int) -> None:
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
-        # A run that goes on with a restored checkpoint's run (the same end, a step inside
-        # it) keeps the train metrics' averages the checkpoint holds, as the uninterrupted
-        # run did; any other run starts them afresh.
-        resumed, self._resumed_run = self._resumed_run, None
-        continuing = (
-            resumed is not None
-            and 0 <= resumed["start_step"] <= self.trainer.global_step < end_step
-            and resumed["end_step"] == end_step
-        )
-        if not continuing:
-            self.trainer.reset_train_metrics()
-        self.run_index += 1
-        self.loop_step = self.trainer.global_step
-        self.start_step = self.loop_step
-        self.end_step = end_step
-        self.epoch = 0
-        self._stop_requested = False
-        self._rewound = False
-        self.stop_reason = None
-        self.metrics = {}
-        self._metrics_step = self.loop_step - 1
-        self._run_phase("OnStart", dataset)
-        # After the OnStart hooks, which may restore schedule states and the step.
-        self._rewound = False
-        self.loop_step = self.start_step = self.trainer.global_step
-        self._metrics_step = self.loop_step - 1
-        self._finite.start_run(self.trainer, self.loop_step)
-        if continuing:
-            self._finite.restart(self.trainer, self.loop_step)  # the restored skip count
-        for hook in self._scheduled():
-            if hook.schedule is not None:  # always: `_scheduled` yields only these
-                hook.schedule.start_run(self)
-        self._reschedule()
-        self._scheduling = True
-
-    def _dataset_error(self, dataset: Dataset, err: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"dataset {shown_name(dataset)!r} failed at step "
-            f"{self.loop_step}: {type(err).__name__}: {err}"
-        )
-
-    def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
-        """Runs steps and their OnStep hooks; returns True if the dataset ended.
-
-        It runs until `loop_step` reaches `stop_step`, a stop is requested, or the dataset
-        ends.
-
-        Before returning False it waits for the steps in flight and checks them, and goes
-        on if that rolled the run back. The per-step path of every run, kept tight: on a
-        small model the loop's own Python shows in the step rate.
-        """
-        if self.steps_per_execution > 1:
-            return self._train_groups_until(dataset, stop_step)
-        train_step = self.trainer.train_step
-        micro_batches = self.trainer.accumulate_steps
-        yield_batch = (
-            dataset.yield_batch
-            if micro_batches == 1
-            else micro_batch_reader(dataset, micro_batches)
-        )
-        push = self._in_flight.push
-        record_duration = self.train_step_durations.append
-        clock = time.perf_counter
-        while True:
-            indicator = self._finite.indicator
-            while self.loop_step < stop_step and not self._stop_requested:
-                started = clock()
-                try:
-                    batch = yield_batch()
-                except StopIteration:
-                    return True
-                except Exception as err:
-                    raise self._dataset_error(dataset, err) from err
-                if type(batch) is not tuple or len(batch) != 3:
-                    raise bad_batch_error(dataset, batch)
-                step = self.loop_step
-                metrics = train_step(*batch)
-                self.metrics = metrics
-                self._metrics_step = step
-                self._epoch_batches += 1
-                window = push(metrics[indicator], (step, metrics))
-                if window is not None:
-                    self._finite.verify(self, window)
-                    if self._pending_logs:
-                        self._resolve_logs(window[-1][0])
-                if not self._rewound:
-                    self._step_hooks(metrics, step)
-                    if self._after_hooks:
-                        self._run_after_hooks()
-                record_duration(clock() - started)
-                if self._rewound:
-                    self._rewound = False
-                    continue
-                self.loop_step = step + 1
-            self._settle()
-            if not self._rewound:
-                return False
-            self._rewound = False
-
-    def _end_run(self) -> Metrics:
-        self._settle_between_steps()
-        self._run_phase("OnEnd", self.metrics)
-        return self.metrics
-
-    @staticmethod
-    def _check_count(argument: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{argument} must be an int >= 0, got {argument}={value!r}")
-        return int(value)
 
     def run_steps(self, dataset: Dataset | Iterable[Any], steps: int) -> Metrics:
         """Runs `steps` train steps from the current step; returns the last metrics.
@@ -413,29 +464,7 @@ class Loop(FusedRuns, MetricsAccess):
           HookError: a hook raised.
           NonFiniteLossError: the loss became NaN or infinite.
         """
-        steps = self._check_count("steps", steps)
-        dataset = self._iterable.dataset(dataset, self.trainer)
-        if steps == 0:
-            return {}
-        if self._hooks["OnEpochEnd"] and not self._warned_epoch_hooks:
-            self._warned_epoch_hooks = True
-            names = [hook.name for hook in self._hooks["OnEpochEnd"]]
-            warnings.warn(
-                f"hooks {names} run at epoch ends, which only run_epochs has; run_steps "
-                "will not call them",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        with self._run(dataset, self.trainer.global_step + steps):
-            # A stop requested by an OnStart hook runs no step, as in run_epochs.
-            if self._train_until(dataset, self.end_step):
-                done = self.loop_step - self.start_step
-                raise RuntimeError(
-                    f"reached the end of dataset {shown_name(dataset)!r} after "
-                    f"{done} of {steps} steps; use run_epochs or a looping dataset "
-                    "(e.g. ArrayDataset(..., loop_forever=True))"
-                )
-            return self._end_run()
+        return self._runner.steps(dataset, steps)
 
     def run_to_step(self, dataset: Dataset | Iterable[Any], global_step: int) -> Metrics:
         """Runs the steps left until `trainer.global_step == global_step` (resume-aware).
@@ -446,19 +475,7 @@ class Loop(FusedRuns, MetricsAccess):
         Raises:
           ValueError: `global_step` is negative or not an int.
         """
-        global_step = self._check_count("global_step", global_step)
-        remaining = global_step - self.trainer.global_step
-        if remaining <= 0:
-            if remaining < 0:
-                warnings.warn(
-                    f"run_to_step({global_step}): the trainer is already at global step "
-                    f"{self.trainer.global_step}, past the target; nothing to run",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            self.loop_step = self.trainer.global_step
-            return {}
-        return self.run_steps(dataset, remaining)
+        return self._runner.to_step(dataset, global_step)
 
     def run_epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
         """Runs `epochs` passes over `dataset`; resets it after each epoch.
@@ -472,25 +489,7 @@ class Loop(FusedRuns, MetricsAccess):
           TypeError: the dataset has no `reset()`, or is an iterator.
           HookError, NonFiniteLossError: as `run_steps`.
         """
-        epochs = self._check_count("epochs", epochs)
-        dataset = self._iterable.dataset(dataset, self.trainer)
-        check_restartable(dataset, "run_epochs")
-        with self._run(dataset, -1):
-            while self.epoch < epochs and not self._stop_requested:
-                self._epoch_batches = 0
-                if not self._train_until(dataset, NEVER):
-                    break  # a stop was requested
-                if self._epoch_batches == 0:
-                    raise ValueError(
-                        f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"
-                    )
-                self.end_step = self.loop_step + self._epoch_batches * (epochs - self.epoch - 1)
-                self._settle_between_steps()
-                self._reschedule()
-                self._run_phase("OnEpochEnd", self.metrics)
-                dataset.reset()
-                self.epoch += 1
-            return self._end_run()
+        return self._runner.epochs(dataset, epochs)
 
     def __repr__(self) -> str:
         return (

@@ -1,159 +1,147 @@
-"""The Loop's metrics for hooks.
-
-Read once per step, logged without waiting; evaluations published once.
-"""
+"""The loop's metrics for hooks: read once per step, logged without waiting, evaluated once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from ..data._datasets import Dataset, dataset_name
 from ._history import Evaluation, History, train_key
-from ._hook import NEVER, HookError
-from ._hook_registry import HookRegistry
 
 if TYPE_CHECKING:
     from ..trainer._trainer import Trainer
 
 Metrics = dict[str, Any]
 LogFn = Callable[[int, dict[str, float]], Any]
+# (loop step, its metrics, extra device values, [(callback, its extra keys)])
+PendingLog = tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]
 
 
-class MetricsAccess(HookRegistry):
-    """The part of `Loop` that gives hooks the metrics; see `Loop`."""
+class GroupMetrics(dict):
+    """The metrics of the last step of a group of fused steps (`steps_per_execution`).
 
-    # Set by `Loop`.
-    trainer: Trainer
-    metrics: Metrics
-    history: History
-    _metrics_step: int
+    A dict like any step's metrics, which also carries every step's: `chunks` lists
+    `(first loop step, step count, stacked metrics or None, last metrics)` per compiled
+    call of the group (a call of one step has no stacked metrics: its last are its own).
+    """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._host_metrics: dict[str, float] = {}
-        self._host_metrics_step = -1
+    def __init__(self, last: dict[str, Any], chunks: list[tuple[int, int, Any, Any]]):
+        super().__init__(last)
+        self.chunks = chunks
+
+    def stacked(self, key: str) -> list[tuple[int, Any]]:
+        """`(first step, values with a leading steps axis)` of `key`, per chunk, on device."""
+        return [
+            (first, last[key][None] if stacked is None else stacked[key])
+            for first, _, stacked, last in self.chunks
+        ]
+
+    def every_step(self) -> dict[str, Any]:
+        """`{name: every step's values on a leading axis}`; a host metric's after the group."""
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        result = {}
+        for key, value in self.items():
+            if isinstance(value, jax.Array):
+                parts = [values for _, values in self.stacked(key)]
+                result[key] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            else:
+                result[key] = value
+        return result
+
+
+class LoopMetrics:
+    """Reads a loop's train metrics for its hooks, and evaluates once per step and dataset.
+
+    Args:
+      trainer: the trainer that evaluates.
+      history: where what is read is recorded.
+      publish: called with each new `Evaluation` (the loop's OnEvaluation hooks).
+
+    Attributes:
+      pending_logs: the train metrics asked for by `log`, not read yet, oldest first.
+    """
+
+    def __init__(
+        self, trainer: Trainer, history: History, publish: Callable[[Evaluation], None]
+    ) -> None:
+        self._trainer = trainer
+        self._history = history
+        self._publish = publish
+        self._host: dict[str, float] = {}
+        self._host_step = -1
         self._evaluations: dict[str, Evaluation] = {}
         self._evaluations_step = -1
-        # Train metrics asked for by `log_train_metrics`, read once their step finished:
-        # (loop step, its metrics, extra device values, [(callback, its extra keys)]).
-        self._pending_logs: list[
-            tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]
-        ] = []
+        self.pending_logs: list[PendingLog] = []
 
-    def host_metrics(self) -> dict[str, float]:
-        """The latest step's metrics as Python floats (it waits for that step).
+    def host(self, metrics: Metrics, step: int) -> dict[str, float]:
+        """Loop step `step`'s `metrics` as Python floats, read at most once per step."""
+        if self._host_step != step:
+            self._host = {key: float(np.asarray(v)) for key, v in metrics.items()}
+            self._host_step = step
+        return dict(self._host)
 
-        Read from the device at most once per step, however many hooks ask.
-        """
-        if self._host_metrics_step != self._metrics_step:
-            self._host_metrics = {key: float(np.asarray(v)) for key, v in self.metrics.items()}
-            self._host_metrics_step = self._metrics_step
-        return dict(self._host_metrics)
-
-    def record_train_metrics(self) -> dict[str, float]:
-        """Records the latest step's metrics in `history`; returns them keyed `"train/<metric>"`.
-
-        Reads them as `host_metrics` does and records them at their global step. Writers
-        call it on the steps they log.
-        """
-        keyed = {train_key(name): value for name, value in self.host_metrics().items()}
+    def record(self, metrics: Metrics, step: int) -> dict[str, float]:
+        """Records loop step `step`'s `metrics` in the history; returns them keyed."""
+        keyed = {train_key(name): value for name, value in self.host(metrics, step).items()}
         if keyed:
-            self.history.record(self._metrics_step + 1, keyed)
+            self._history.record(step + 1, keyed)
         return keyed
 
-    def log_train_metrics(self, fn: LogFn, extra: dict[str, Any] | None = None) -> None:
-        """Logs the latest step's train metrics without waiting for the device.
-
-        Once the step has finished (when the loop next waits for it anyway: at most one
-        in-flight window later, or at the latest at `check_finite`, `flush` or the end of
-        the run) its metrics are read (once, however many writers asked), recorded in
-        `history` at their global step, and `fn(global_step, values)` is called with
-        `values` keyed `"train/<metric>"`, plus this caller's `extra` (`{key: device
-        scalar}`, e.g. the learning rate), read at the same time and recorded too.
-        """
-        step = self._metrics_step
-        if not self.metrics:
+    def log(self, metrics: Metrics, step: int, fn: LogFn, extra: dict[str, Any] | None) -> None:
+        """Keeps loop step `step`'s `metrics` for `fn`, to be read by `resolve_logs`."""
+        if not metrics:
             return
         extra = dict(extra or {})
-        pending = self._pending_logs
+        pending = self.pending_logs
         if pending and pending[-1][0] == step:
             pending[-1][2].update(extra)
             pending[-1][3].append((fn, tuple(extra)))
         else:
-            pending.append((step, self.metrics, extra, [(fn, tuple(extra))]))
-        if not self._running:
-            self._resolve_logs(NEVER)
+            pending.append((step, metrics, extra, [(fn, tuple(extra))]))
 
-    def _resolve_logs(self, through_step: int) -> None:
+    def resolve_logs(self, through_step: int) -> None:
         """Reads and hands out the pending train logs of steps `<= through_step`."""
-        pending = self._pending_logs
+        pending = self.pending_logs
         ready = 0
         while ready < len(pending) and pending[ready][0] <= through_step:
             ready += 1
         if not ready:
             return
-        entries, self._pending_logs = pending[:ready], pending[ready:]
+        entries, self.pending_logs = pending[:ready], pending[ready:]
         for step, metrics, extra, callbacks in entries:
             # Those steps are done: reading each scalar is a copy, ~1 µs (jax.device_get of
             # the same dict costs tens of µs in tree handling).
             keyed = {train_key(name): float(np.asarray(v)) for name, v in metrics.items()}
             extra = {key: float(np.asarray(v)) for key, v in extra.items()}
-            self.history.record(step + 1, {**keyed, **extra})
+            self._history.record(step + 1, {**keyed, **extra})
             for callback, extra_keys in callbacks:
                 callback(step + 1, {**keyed, **{key: extra[key] for key in extra_keys}})
 
-    def flush(self) -> Callable[[], None]:
-        """Hands the pending train logs to their writers and asks every output to write out.
-
-        The outputs are the OnFlush hooks. Returns a function that waits until all of it is
-        on disk.
-
-        A checkpoint calls it after the hooks of the step it saves and waits before it
-        commits, so that a resumed run's logs hold every point up to the checkpoint.
-        """
-        self._resolve_logs(NEVER)
-        waiters = []
-        for hook in self._hooks["OnFlush"]:
-            try:
-                waiter = hook.fn(self, None)
-            except Exception as err:
-                raise HookError("OnFlush", hook.name, self.loop_step, err) from err
-            if callable(waiter):
-                waiters.append(waiter)
-
-        def wait() -> None:
-            for waiter in waiters:
-                waiter()
-
-        return wait
+    def forget_from(self, step: int) -> None:
+        """Forgets the pending logs of loop steps `>= step` and the evaluations held."""
+        self._evaluations_step = -1
+        self.pending_logs = [entry for entry in self.pending_logs if entry[0] < step]
 
     def evaluate(self, dataset: Dataset) -> Evaluation:
-        """Evaluates `dataset` at the current global step, once.
-
-        A second call at the same step returns the same `Evaluation`. A new evaluation is
-        recorded in `history` (`"eval/<dataset>/<metric>"`) and published to the
-        OnEvaluation hooks.
-
-        Raises:
-          ValueError: the dataset has no non-empty str `name`.
-        """
+        """`dataset`'s evaluation at the trainer's global step, evaluated once; see `Loop`."""
         name = dataset_name(dataset)
-        step = self.trainer.global_step
+        step = self._trainer.global_step
         if self._evaluations_step != step:
             self._evaluations, self._evaluations_step = {}, step
         evaluation = self._evaluations.get(name)
         if evaluation is None:
-            evaluation = Evaluation(step, name, self.trainer.evaluate(dataset))
+            evaluation = Evaluation(step, name, self._trainer.evaluate(dataset))
             self._evaluations[name] = evaluation
-            self.history.record(step, evaluation.keyed())
-            self._run_phase("OnEvaluation", evaluation)
+            self._history.record(step, evaluation.keyed())
+            self._publish(evaluation)
         return evaluation
 
     def evaluation(self, dataset: str) -> Evaluation | None:
-        """The evaluation of dataset `dataset` (a name) at the current global step, if any."""
-        if self._evaluations_step != self.trainer.global_step:
+        """The evaluation of the dataset named `dataset` at the current global step, if any."""
+        if self._evaluations_step != self._trainer.global_step:
             return None
         return self._evaluations.get(dataset)

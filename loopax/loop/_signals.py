@@ -57,3 +57,22 @@ class Interrupts:
             return
         print(f"loopax: second {signal_name(signum)}: exiting now", file=sys.stderr, flush=True)
         os._exit(128 + signum)
+
+
+def exit_interrupted(signum: int, step: int, checkpointed_step: int | None) -> None:
+    """Ends the process after a run stopped by `signum` at global step `step`, in one line.
+
+    The line says whether a checkpoint holds that step (`checkpointed_step`: the newest
+    saved, or None).
+
+    Raises:
+      SystemExit: always, with status 128 + signum.
+    """
+    if checkpointed_step == step:
+        saved = f"saved checkpoint {step}; run again to resume"
+    elif checkpointed_step is not None:
+        saved = f"the newest checkpoint is {checkpointed_step}; run again to resume"
+    else:
+        saved = "no checkpoint hook is attached, so nothing was saved"
+    print(f"interrupted at step {step}; {saved}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)

@@ -181,6 +181,29 @@ def test_the_loop_repr_shows_steps_per_execution():
     assert "steps_per_execution=8" in repr(loop)
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, *FUSED])
+def test_a_batch_that_is_not_spec_inputs_labels_raises_the_same_error_whatever_k(
+    steps_per_execution,
+):
+    pairs = [(np.ones((BATCH_SIZE, 4), np.float32),)] * 40  # 1-tuples: not a batch
+    loop = loopax.Loop(new_trainer(), steps_per_execution=steps_per_execution)
+
+    class Pairs:
+        name = "pairs"
+
+        def __init__(self):
+            self.batches = iter(pairs)
+
+        def yield_batch(self):
+            return next(self.batches)
+
+        def reset(self):
+            pass
+
+    with pytest.raises(ValueError, match=r"dataset 'pairs' yielded a tuple of 1 items"):
+        loop.run_steps(Pairs(), 5)
+
+
 # -- the same results and the same hook steps as single steps -------------------------------
 
 

@@ -93,7 +93,7 @@ def main():
                 loopax.Priority.UI + 1,
             )
         elif point == "mid-group" and args.on_device:
-            device_steps = train._device_steps
+            device_steps = train.device_steps
 
             def read_group(count):
                 chunks = device_steps(count)
@@ -101,7 +101,7 @@ def main():
                     kill_self()  # the dataset has moved past the group; none of it ran
                 return chunks
 
-            train._device_steps = read_group
+            train.device_steps = read_group
         elif point == "mid-group":
             original = train.yield_batch
             read = []

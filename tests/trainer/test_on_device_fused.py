@@ -226,7 +226,7 @@ def test_device_steps_cover_the_batches_of_yield_batch():
         data = dataset(True, devices, **options)
         for count in (1, 3, 8, 13, 32):
             expected = [host.yield_batch() for _ in range(count)]
-            chunks, ended = data._device_steps(count)
+            chunks, ended = data.device_steps(count)
             assert not ended
             assert sum(chunk.count for chunk in chunks) == count
             batches = []
@@ -251,12 +251,12 @@ def test_device_steps_cover_the_batches_of_yield_batch():
 
 def test_device_steps_at_the_end_of_data_that_does_not_loop():
     data = dataset(True, jax.devices()[:1], loop_forever=False)  # 6 batches
-    chunks, ended = data._device_steps(4)
+    chunks, ended = data.device_steps(4)
     assert [c.count for c in chunks] == [4] and not ended
-    chunks, ended = data._device_steps(4)
+    chunks, ended = data.device_steps(4)
     assert [c.count for c in chunks] == [2] and ended
     with pytest.raises(StopIteration):
-        data._device_steps(4)
+        data.device_steps(4)
 
 
 def test_resume_from_a_checkpoint_continues_identically(tmp_path):

@@ -1,0 +1,372 @@
+"""The runs of a `Loop`: where a run stands, and the steps it reads, runs, checks and hooks."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .. import _validate
+from ..data._datasets import BadBatchError, Dataset, shown_name
+from ..data._iterables import RunIterable, check_restartable
+from ..data._reader import StepReader, power_of_two_at_most
+from ..trainer._inflight import InFlight, limit_for
+from ..trainer._trainer import Trainer
+from ._finite import FiniteChecker
+from ._hook import NEVER
+from ._hook_registry import HookRegistry
+from ._loop_metrics import GroupMetrics, LoopMetrics
+from ._signals import Interrupts, exit_interrupted, signal_name
+
+Metrics = dict[str, Any]
+
+
+class Runner:
+    """Runs a trainer over a dataset's steps or epochs, one run at a time, firing the hooks.
+
+    The engine of a `Loop` (see there for what a run does). It reads each step, or each
+    group of up to `steps_per_execution` fused steps, as dispatches (`StepReader`), runs
+    them with `Trainer.run`, bounds the steps in flight, checks every step's loss when it
+    waits for it anyway (`FiniteChecker`), hands out the pending logs, and runs the step
+    hooks, all in one tail per dispatch.
+
+    Args:
+      trainer: the `Trainer` to run.
+      steps_per_execution: the most steps per compiled call.
+      hooks: the hooks to run; their first argument is `owner`.
+      loop_metrics: the pending logs to hand out as their steps finish.
+      finite: the finite checks of every step's loss.
+      owner: the object hooks and non-finite handlers receive (the loop).
+      durations: where each step's duration is appended.
+      checkpointed_step: the newest global step a checkpoint saved, or None (for the line
+        an interrupted run ends with).
+
+    Attributes:
+      loop_step, start_step, end_step, epoch, run_index, metrics, stop_reason: as in
+        `Loop`, which shows them.
+      metrics_step: the loop step of `metrics` (-1 before any).
+      group: the latest group of fused steps, or None (`steps_per_execution=1`).
+      running: whether a run is in progress.
+      stop_requested: whether the run ends after the current step's hooks.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        steps_per_execution: int,
+        hooks: HookRegistry,
+        loop_metrics: LoopMetrics,
+        finite: FiniteChecker,
+        owner: Any,
+        durations: collections.deque[float],
+        checkpointed_step: Callable[[], int | None],
+    ) -> None:
+        self._trainer = trainer
+        self._most = steps_per_execution
+        self._hooks = hooks
+        self._loop_metrics = loop_metrics
+        self._finite = finite
+        self._owner = owner
+        self._durations = durations
+        self._checkpointed_step = checkpointed_step
+        self.loop_step = trainer.global_step
+        self.start_step = trainer.global_step
+        self.end_step = -1
+        self.epoch = 0
+        self.run_index = 0
+        self.metrics: Metrics = {}
+        self.metrics_step = -1
+        self.group: GroupMetrics | None = None
+        self.running = False
+        self.stop_requested = False
+        self.stop_reason: str | None = None
+        self._epoch_batches = 0
+        self._warned_epoch_hooks = False
+        self._pending_error: BaseException | None = None
+        self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
+        self._in_flight = InFlight(limit_for(trainer.num_devices))
+        self._interrupts = Interrupts(self._on_signal)
+        self._iterable = RunIterable()
+
+    # -- what the loop asks between steps -------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ends the run after the current step's hooks."""
+        self.stop_requested = True
+        self.stop_reason = reason
+
+    def report_error(self, error: BaseException) -> None:
+        """Raises `error` after the current step's hooks, or at the next run's start."""
+
+        def raise_it() -> None:
+            raise error
+
+        if self.running:
+            self._hooks.after_hooks.append(raise_it)
+        else:
+            self._pending_error = error
+
+    def remember_run(self, run: dict[str, int] | None) -> None:
+        """The run (`{"start_step", "end_step"}`) a restored state was saved in, if any."""
+        self._resumed_run = run
+
+    def check_finite(self) -> None:
+        """Waits for the steps in flight and checks their losses, unless all are checked."""
+        if self._finite.checked_through < self.metrics_step or self._finite.failure:
+            self._settle()
+
+    def rewind(self, step: int) -> None:
+        """Continues from loop step `step`: inside a run, drops the steps in flight."""
+        if not self.running:
+            self.loop_step = self.start_step = step
+            return
+        self._in_flight.wait_all()
+        self._finite.restart(self._trainer, step)
+        self.loop_step = step
+        self._hooks.halted = True  # the step's hooks stop; the run goes on from `step`
+        for schedule in self._hooks.schedules():
+            schedule.restart(self)
+        self._hooks.reschedule()
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def steps(self, dataset: Dataset | Iterable[Any], steps: int) -> Metrics:
+        """`Loop.run_steps`."""
+        steps = _validate.non_negative_int("steps", steps)
+        dataset = self._iterable.dataset(dataset, self._trainer)
+        if steps == 0:
+            return {}
+        epoch_hooks = self._hooks.of("OnEpochEnd")
+        if epoch_hooks and not self._warned_epoch_hooks:
+            self._warned_epoch_hooks = True
+            warnings.warn(
+                f"hooks {[hook.name for hook in epoch_hooks]} run at epoch ends, which only "
+                "run_epochs has; run_steps will not call them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        with self._run(dataset, self._trainer.global_step + steps):
+            # A stop requested by an OnStart hook runs no step, as in run_epochs.
+            if self._train_until(dataset, self.end_step):
+                done = self.loop_step - self.start_step
+                raise RuntimeError(
+                    f"reached the end of dataset {shown_name(dataset)!r} after "
+                    f"{done} of {steps} steps; use run_epochs or a looping dataset "
+                    "(e.g. ArrayDataset(..., loop_forever=True))"
+                )
+            return self._end_run()
+
+    def to_step(self, dataset: Dataset | Iterable[Any], global_step: int) -> Metrics:
+        """`Loop.run_to_step`."""
+        global_step = _validate.non_negative_int("global_step", global_step)
+        remaining = global_step - self._trainer.global_step
+        if remaining <= 0:
+            if remaining < 0:
+                warnings.warn(
+                    f"run_to_step({global_step}): the trainer is already at global step "
+                    f"{self._trainer.global_step}, past the target; nothing to run",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self.loop_step = self._trainer.global_step
+            return {}
+        return self.steps(dataset, remaining)
+
+    def epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
+        """`Loop.run_epochs`."""
+        epochs = _validate.non_negative_int("epochs", epochs)
+        dataset = self._iterable.dataset(dataset, self._trainer)
+        check_restartable(dataset, "run_epochs")
+        with self._run(dataset, -1):
+            while self.epoch < epochs and not self.stop_requested:
+                self._epoch_batches = 0
+                if not self._train_until(dataset, NEVER):
+                    break  # a stop was requested
+                if self._epoch_batches == 0:
+                    raise ValueError(
+                        f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"
+                    )
+                self.end_step = self.loop_step + self._epoch_batches * (epochs - self.epoch - 1)
+                self._settle_between_steps()
+                self._hooks.reschedule()
+                self.run_phase("OnEpochEnd", self.metrics)
+                dataset.reset()
+                self.epoch += 1
+            return self._end_run()
+
+    def run_phase(self, phase: str, argument: Any) -> None:
+        """Runs the hooks of `phase`, then what they deferred to after the hooks."""
+        self._hooks.run_phase(phase, argument)
+        # OnEvaluation and OnRestore run inside other phases, which run `call_after_hooks`.
+        if self._hooks.after_hooks and phase in ("OnStart", "OnEpochEnd", "OnEnd"):
+            self._run_after_hooks()
+
+    def _run_after_hooks(self) -> None:
+        # What runs after the hooks (a checkpoint commit, a final flush) sees every log.
+        self._loop_metrics.resolve_logs(NEVER)
+        self._hooks.run_after_hooks()
+
+    def _on_signal(self, signum: int) -> None:
+        self.request_stop(f"interrupted by {signal_name(signum)}")
+
+    def _settle(self) -> None:
+        """Waits for every step in flight and checks their losses."""
+        window = self._in_flight.wait_all()
+        if window:
+            self._finite.verify(self._owner, window)
+        self._finite.raise_failure()
+        if self._loop_metrics.pending_logs:
+            self._loop_metrics.resolve_logs(NEVER)
+
+    def _settle_between_steps(self) -> None:
+        """`_settle` where no step is half done: a rollback it causes needs no skipping."""
+        self._settle()
+        self._hooks.halted = False
+
+    @contextlib.contextmanager
+    def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
+        if self.running:
+            raise RuntimeError("this Loop is already running; a hook cannot start another run")
+        self.running = True
+        try:
+            with self._interrupts:
+                self._start_run(dataset, end_step)
+                yield
+        except BaseException as error:
+            self._in_flight.wait_all()
+            self._hooks.after_hooks.clear()
+            self._loop_metrics.pending_logs.clear()
+            self._hooks.run_error(error)
+            raise
+        finally:
+            self.running = self._hooks.scheduling = False
+        signum = self._interrupts.received
+        if signum is not None:
+            exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
+
+    def _start_run(self, dataset: Dataset, end_step: int) -> None:
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+        trainer = self._trainer
+        # A run that goes on with a restored checkpoint's run (the same end, a step inside
+        # it) keeps the train metrics' averages the checkpoint holds, as the uninterrupted
+        # run did; any other run starts them afresh.
+        resumed, self._resumed_run = self._resumed_run, None
+        continuing = (
+            resumed is not None
+            and 0 <= resumed["start_step"] <= trainer.global_step < end_step
+            and resumed["end_step"] == end_step
+        )
+        if not continuing:
+            trainer.reset_train_metrics()
+        self.run_index += 1
+        self.loop_step = self.start_step = trainer.global_step
+        self.end_step = end_step
+        self.epoch = 0
+        self.stop_requested = False
+        self._hooks.halted = False
+        self.stop_reason = None
+        self.metrics = {}
+        self.metrics_step = self.loop_step - 1
+        self.run_phase("OnStart", dataset)
+        # After the OnStart hooks, which may restore schedule states and the step.
+        self._hooks.halted = False
+        self.loop_step = self.start_step = trainer.global_step
+        self.metrics_step = self.loop_step - 1
+        self._finite.start_run(trainer, self.loop_step)
+        if continuing:
+            self._finite.restart(trainer, self.loop_step)  # the restored skip count
+        for schedule in self._hooks.schedules():
+            schedule.start_run(self)
+        self._hooks.reschedule()
+        self._hooks.scheduling = True
+
+    def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
+        """Runs steps and their OnStep hooks; returns True if the dataset ended.
+
+        It runs until `loop_step` reaches `stop_step`, a stop is requested, or the dataset
+        ends. Each read is one step, or with fused execution a group of up to
+        `steps_per_execution` steps, which ends early at the next step a step-scheduled
+        OnStep hook fires at (`exact_wake_step`: a clock's fires at group ends), at
+        `stop_step`, or where the dataset ends; OnStep hooks run once, at its last step.
+
+        Before returning False it waits for the steps in flight and checks them, and goes
+        on if that rolled the run back. The per-step path of every run, kept tight: on a
+        small model the loop's own Python shows in the step rate.
+        """
+        trainer, hooks, most = self._trainer, self._hooks, self._most
+        one_step = most == 1
+        read = StepReader(dataset, most, trainer.accumulate_steps, trainer.gathers_on).read
+        run = trainer.run
+        loop_metrics = self._loop_metrics
+        push = self._in_flight.push
+        record_duration = self._durations.append
+        clock = time.perf_counter
+        while True:
+            indicator = self._finite.indicator
+            while self.loop_step < stop_step and not self.stop_requested:
+                started = clock()
+                first = self.loop_step
+                try:
+                    dispatches, ended = read(
+                        1
+                        if one_step
+                        else power_of_two_at_most(
+                            max(min(most, stop_step - first, hooks.exact_wake_step - first + 1), 1)
+                        )
+                    )
+                except StopIteration:
+                    return True
+                except BadBatchError:
+                    raise
+                except Exception as err:
+                    raise RuntimeError(
+                        f"dataset {shown_name(dataset)!r} failed at step "
+                        f"{first}: {type(err).__name__}: {err}"
+                    ) from err
+                if one_step:
+                    metrics, _ = run(dispatches[0])
+                    last, count = first, 1
+                else:
+                    parts = []
+                    last = first - 1
+                    for dispatch in dispatches:
+                        result = run(dispatch)
+                        parts.append((last + 1, dispatch.count, result.stacked, result.last))
+                        last += dispatch.count
+                    metrics = self.group = GroupMetrics(parts[-1][3], parts)
+                    count = last - first + 1
+                # The one tail of every dispatch: the window, the checks, the hooks.
+                self.metrics = metrics
+                self.metrics_step = last
+                self._epoch_batches += count
+                window = push(metrics[indicator], (last, metrics))
+                if window is not None:
+                    self._finite.verify(self._owner, window)
+                    if loop_metrics.pending_logs:
+                        loop_metrics.resolve_logs(window[-1][0])
+                if not hooks.halted:
+                    self.loop_step = last
+                    hooks.step_hooks(metrics, last)
+                    if hooks.after_hooks:
+                        self._run_after_hooks()
+                record_duration((clock() - started) / count)
+                if hooks.halted:
+                    hooks.halted = False
+                    continue
+                self.loop_step = last + 1
+                if ended:
+                    return True
+            self._settle()
+            if not hooks.halted:
+                return False
+            hooks.halted = False
+
+    def _end_run(self) -> Metrics:
+        self._settle_between_steps()
+        self.run_phase("OnEnd", self.metrics)
+        return self.metrics
