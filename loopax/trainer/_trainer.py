@@ -185,11 +185,9 @@ class Trainer:
 
     @property
     def train_metric_state_names(self) -> tuple[str, ...]:
-        """The keys of `state.train_metrics`, in the order the metrics were given.
+        """The keys of `state.train_metrics`: the loss average's, then the compiled metrics'.
 
-        `"moving_average_loss"`, then the compiled train metrics' names (a host metric
-        keeps its state on the host). Checkpoints of format version 1 kept the states in
-        this order, without the names.
+        Checkpoints of format version 1 kept the states in this order, without names.
         """
         return self._programs.steps.train_state_keys
 
@@ -375,10 +373,8 @@ class Trainer:
 
         Each input and label is n batches stacked, shape `(n, batch, ...)` (with
         `accumulate_steps` > 1, `(n, micro-batches, batch, ...)`); the result equals n calls
-        of `train_step`. `Loop(trainer, steps_per_execution=K)` calls it on batches it
-        stacks (on-device `ArrayDataset` batches go to a program of their own that slices
-        them from the devices' arrays, also reported as `"train_steps"`). Compiled once per
-        n, spec and shape.
+        of `train_step`. The Loop's fused groups (`steps_per_execution=K`) go through `run`,
+        which also runs on-device batches where they lie. Compiled once per n, spec and shape.
 
         Returns:
           `(stacked, last)`: every train metric with a leading axis of the n steps, and the
@@ -392,10 +388,7 @@ class Trainer:
         return cast("dict[str, Any]", result.stacked), result.last  # n steps: never None
 
     def gathers_on(self, devices: list[Device]) -> bool:
-        """Whether the fused steps can gather batches from arrays replicated on `devices`.
-
-        True when they are this single-process trainer's devices, in its order.
-        """
+        """Whether fused steps can take batches from arrays on `devices` (this process's own)."""
         strategy = self._strategy
         return not strategy.multi_process and list(devices) == list(strategy.devices)
 
@@ -414,7 +407,7 @@ class Trainer:
         """
         programs = self._programs
         if isinstance(dispatch, OneStep):
-            return StepResult(programs.train_step(dispatch.spec, dispatch.inputs, dispatch.labels))
+            return StepResult(programs.train_step(*dispatch))
         if isinstance(dispatch, Stacked):
             return programs.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
         if isinstance(dispatch, OnDevice):
