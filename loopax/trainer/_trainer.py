@@ -405,13 +405,14 @@ class Trainer:
           TypeError: `dispatch` is none of the three records.
           As `train_step` and `train_steps` otherwise.
         """
-        programs = self._programs
+        # Through the public methods: a subclass or wrapper of `train_step` sees every step.
         if isinstance(dispatch, OneStep):
-            return StepResult(programs.train_step(*dispatch))
+            return StepResult(self.train_step(*dispatch))
         if isinstance(dispatch, Stacked):
-            return programs.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
+            stacked, last = self.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
+            return StepResult(last, stacked)
         if isinstance(dispatch, OnDevice):
-            return programs.train_gathered(dispatch.spec, dispatch.chunk)
+            return self._programs.train_gathered(dispatch.spec, dispatch.chunk)
         raise TypeError(
             "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
             f"{type(dispatch).__name__}"
