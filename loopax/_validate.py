@@ -7,7 +7,9 @@ prefix for the message, e.g. the hook's name: `"early_stopping: "`.
 
 from __future__ import annotations
 
+import json
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 
@@ -81,3 +83,15 @@ def priority(value: Any, where: str = "") -> int:
             f"{where}priority must be an int such as loopax.Priority.CHECKPOINT, got {value!r}"
         )
     return int(value)
+
+
+def json_value(value: Any, message: Callable[[Exception], str]) -> None:
+    """Checks that `value` is JSON (checkpoints keep states as JSON).
+
+    Raises:
+      TypeError: `message(error)`, with the serializer's error chained.
+    """
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(message(err)) from err

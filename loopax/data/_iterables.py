@@ -8,7 +8,6 @@ when its iterator has one, a checkpointable position; `as_dataset` and
 from __future__ import annotations
 
 import base64
-import json
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import numpy as np
 
+from .. import _validate
 from ._datasets import Batch, Dataset, as_list
 from ._device_data import check_trainer_devices
 
@@ -224,14 +224,14 @@ class IterableDataset:
         state = getter()
         if isinstance(state, bytes):
             return {"iterator_bytes": base64.b64encode(state).decode("ascii")}
-        try:
-            json.dumps(state)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
+        _validate.json_value(
+            state,
+            lambda err: (
                 f"dataset {self.name!r}: its iterator's get_state() returned a "
                 f"{type(state).__name__} that is not JSON ({err}); checkpoints keep dataset "
                 "positions as JSON, so return ints, floats, strings, lists, dicts or bytes"
-            ) from err
+            ),
+        )
         return {"iterator": state}
 
     def set_state(self, state: dict) -> None:

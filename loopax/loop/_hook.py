@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import sys
 from collections.abc import Callable
@@ -204,6 +205,7 @@ class AnyOf(Schedule):
         return " | ".join(repr(s) for s in self.schedules)
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class Hook:
     """One registered hook, as `Loop.on_step` and the other registrations return it.
 
@@ -213,9 +215,11 @@ class Hook:
       name: the name given at registration.
       fn: the function called.
       priority: lower runs first.
+      order: its place among hooks of the same priority (registration order).
       schedule: the `Schedule` of a scheduled hook, else None (runs every time).
       check_finite: whether the loop checks that every step's loss so far is finite
         before calling it.
+      next: the loop's cache of `schedule.next_step`.
     """
 
     phase: str
@@ -225,28 +229,7 @@ class Hook:
     order: int
     schedule: Schedule | None
     check_finite: bool
-    next: int
-
-    __slots__ = ("phase", "name", "fn", "priority", "order", "schedule", "check_finite", "next")
-
-    def __init__(
-        self,
-        phase: str,
-        name: str,
-        fn: Callable[..., Any],
-        priority: int,
-        order: int,
-        schedule: Schedule | None,
-        check_finite: bool,
-    ):
-        self.phase = phase
-        self.name = name
-        self.fn = fn
-        self.priority = priority
-        self.order = order
-        self.schedule = schedule
-        self.check_finite = check_finite
-        self.next = 0  # the loop's cache of `schedule.next_step`
+    next: int = dataclasses.field(default=0, init=False)
 
     @property
     def every_step(self) -> bool:
