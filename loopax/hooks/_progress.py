@@ -113,21 +113,25 @@ class ProgressBar:
     def __init__(
         self,
         trainer: Trainer,
-        refresh_seconds: float,
         clock: Callable[[], float],
         file: TextIO | None,
         notebook: bool | None,
         leave: bool,
         show_metrics: bool,
     ):
-        self.refresh_seconds = refresh_seconds
         self.clock = clock
-        self.file = file
-        self.leave = leave
         self.show_metrics = show_metrics
         self.throughput = Throughput()
         self.bar: Any = None
         self._bar_class = _bar_class(notebook)
+        # What every bar of this hook is built with, besides its run's total and format.
+        self._bar_options = {
+            "file": file,
+            "leave": leave,
+            "dynamic_ncols": True,
+            "miniters": 1,
+            "mininterval": 0,
+        }
         self._infos = train_metric_infos(trainer)
         self._refreshed_step = 0
         self._end_step = -1
@@ -149,12 +153,8 @@ class ProgressBar:
         self.bar = self._bar_class(
             total=loop.end_step if known else None,
             initial=loop.start_step,
-            file=self.file,
-            leave=self.leave,
-            dynamic_ncols=True,
-            miniters=1,
-            mininterval=0,
             bar_format=_KNOWN_TOTAL_FORMAT if known else _UNKNOWN_TOTAL_FORMAT,
+            **self._bar_options,
         )
         self._refreshed_step = loop.start_step
 
@@ -284,9 +284,7 @@ def progress_bar(
         raise ValueError(f"refresh_seconds must be a number >= 0, got {refresh_seconds!r}")
     if not callable(clock):
         raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-    progress = ProgressBar(
-        loop.trainer, float(refresh_seconds), clock, file, notebook, leave, show_metrics
-    )
+    progress = ProgressBar(loop.trainer, clock, file, notebook, leave, show_metrics)
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
@@ -295,7 +293,7 @@ def progress_bar(
             progress,
             priority=priority,
             check_finite=False,
-            when=ClockSchedule(progress.refresh_seconds, clock, fire_first=True),
+            when=ClockSchedule(float(refresh_seconds), clock, fire_first=True),
         )
         loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
     return progress

@@ -91,23 +91,13 @@ def on_schedule(
 def every_n_steps(
     loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
 ) -> Hook:
-    """Calls `fn(loop, metrics)` after step k iff `(k + 1) % n == 0`.
+    """Calls `fn(loop, metrics)` after step k iff `(k + 1) % n == 0`, for a positive int `n`.
 
     Aligned to the global step, so a resumed run fires where an uninterrupted one would. Never
-    fires at the last step unless it is aligned, never in OnEnd.
-
-    Args:
-      loop: the `loopax.Loop`.
-      n: the period in steps, a positive int.
-      name: the user's hook name; the OnStep hook is named `"every_n_steps(n): name"`.
-      fn: `fn(loop, metrics)`.
-      priority: the hook's priority (see `loopax.Priority`).
-
-    Returns:
-      The OnStep `Hook` (its `schedule` is an `EveryNSteps`).
-
-    Raises:
-      ValueError: if `n` is not a positive int.
+    fires at the last step unless it is aligned, never in OnEnd. Registers
+    `on_schedule(loop, EveryNSteps(n), name, fn, priority=priority)`, which describes the
+    other arguments, and returns its OnStep `Hook` (named `"every_n_steps(n): name"`); a bad
+    `n` raises ValueError.
     """
     return on_schedule(loop, EveryNSteps(n), name, fn, priority=priority)
 
@@ -115,22 +105,12 @@ def every_n_steps(
 def n_times_during_loop(
     loop: Loop, n: int, name: str, fn: StepFn, *, priority: int = Priority.DEFAULT
 ) -> Hook:
-    """Calls `fn(loop, metrics)` at most `n` times per run, evenly spaced.
+    """Calls `fn(loop, metrics)` at most `n` times per run (a positive int), evenly spaced.
 
-    It always fires at the last step; see `NTimes`.
-
-    Args:
-      loop: the `loopax.Loop`.
-      n: how many times per run, a positive int.
-      name: the user's hook name; the OnStep hook is named `"n_times_during_loop(n): name"`.
-      fn: `fn(loop, metrics)`.
-      priority: the hook's priority (see `loopax.Priority`).
-
-    Returns:
-      The OnStep `Hook` (its `schedule` is an `NTimes`).
-
-    Raises:
-      ValueError: if `n` is not a positive int.
+    It always fires at the last step; see `NTimes`. Registers
+    `on_schedule(loop, NTimes(n), name, fn, priority=priority)`, which describes the other
+    arguments, and returns its OnStep `Hook` (named `"n_times_during_loop(n): name"`); a bad
+    `n` raises ValueError.
     """
     return on_schedule(loop, NTimes(n), name, fn, priority=priority)
 
@@ -147,24 +127,13 @@ def periodic_callback(
 ) -> Hook:
     """Calls `fn(loop, metrics)` at most once every `period_seconds`; see `Periodic`.
 
-    Args:
-      loop: the `loopax.Loop`.
-      period_seconds: the minimum time between calls, a finite number > 0.
-      name: the user's hook name; the OnStep hook is named `"periodic_callback(<p>s): name"`.
-      fn: `fn(loop, metrics)`.
-      call_on_end: also call `fn` once in OnEnd, unconditionally.
-      priority: the hook's priority (see `loopax.Priority`).
-      clock: returns the time in seconds; inject a fake one in tests.
-
-    Returns:
-      The OnStep `Hook` (its `schedule` is a `Periodic`).
-
-    Raises:
-      ValueError: if `period_seconds` is not a finite number > 0.
+    `period_seconds` is the minimum time between calls, a finite number > 0 (else ValueError),
+    measured by `clock` (it returns the time in seconds; inject a fake one in tests). The
+    other arguments are those of `on_schedule`, which registers the OnStep `Hook` returned
+    (named `"periodic_callback(<p>s): name"`).
     """
-    return on_schedule(
-        loop, Periodic(period_seconds, clock), name, fn, call_on_end=call_on_end, priority=priority
-    )
+    schedule = Periodic(period_seconds, clock)
+    return on_schedule(loop, schedule, name, fn, call_on_end=call_on_end, priority=priority)
 
 
 def exponential_callback(
@@ -179,32 +148,14 @@ def exponential_callback(
 ) -> Hook:
     """Calls `fn(loop, metrics)` on a grid of steps whose gaps grow by `factor`.
 
-    The grid is absolute (global steps); see `Exponential`.
-
-    Args:
-      loop: the `loopax.Loop`.
-      start_step: the first firing step and the first gap, a positive int.
-      factor: how much the gap grows each time, a finite number > 1.
-      name: the user's hook name; the OnStep hook is named
-        `"exponential_callback(start_step, factor): name"`.
-      fn: `fn(loop, metrics)`.
-      call_on_end: also call `fn` once in OnEnd, unconditionally.
-      priority: the hook's priority (see `loopax.Priority`).
-
-    Returns:
-      The OnStep `Hook` (its `schedule` is an `Exponential`).
-
-    Raises:
-      ValueError: if `start_step` is not a positive int or `factor` is not a finite number > 1.
+    The grid is absolute (global steps); see `Exponential`. `start_step` is the first firing
+    step and the first gap, a positive int, and `factor` (a finite number > 1) how much the
+    gap grows each time; anything else raises ValueError. The other arguments are those of
+    `on_schedule`, which registers the OnStep `Hook` returned (named
+    `"exponential_callback(start_step, factor): name"`).
     """
-    return on_schedule(
-        loop,
-        Exponential(start_step, factor),
-        name,
-        fn,
-        call_on_end=call_on_end,
-        priority=priority,
-    )
+    schedule = Exponential(start_step, factor)
+    return on_schedule(loop, schedule, name, fn, call_on_end=call_on_end, priority=priority)
 
 
 def at_steps(
@@ -212,14 +163,9 @@ def at_steps(
 ) -> Hook:
     """Calls `fn(loop, metrics)` after the steps that bring the global step to one of `steps`.
 
-    `steps` are values of `trainer.global_step` (global steps, as checkpoints count them); see
-    `AtSteps`.
-
-    Returns:
-      The OnStep `Hook`.
-
-    Raises:
-      ValueError: `steps` is empty or not positive ints.
+    `steps` are values of `trainer.global_step` (global steps, as checkpoints count them),
+    positive ints (empty or anything else raises ValueError); see `AtSteps`. The other
+    arguments are those of `on_schedule`, which registers the OnStep `Hook` returned.
     """
     return on_schedule(loop, AtSteps(steps), name, fn, priority=priority)
 
@@ -235,13 +181,9 @@ def first_n_steps(
 ) -> Hook:
     """Calls `fn(loop, metrics)` at each of the first `n` steps of every run.
 
-    With `of_process=True`, the first `n` steps of this process; see `FirstNSteps`.
-
-    Returns:
-      The OnStep `Hook`.
-
-    Raises:
-      ValueError: `n` is not a positive int.
+    With `of_process=True`, the first `n` steps of this process; see `FirstNSteps`. A bad `n`
+    (not a positive int) raises ValueError. The other arguments are those of `on_schedule`,
+    which registers the OnStep `Hook` returned.
     """
     return on_schedule(loop, FirstNSteps(n, of_process=of_process), name, fn, priority=priority)
 
@@ -251,15 +193,9 @@ def every_n_epochs(
 ) -> Hook:
     """Calls `fn(loop, metrics)` at the end of every n-th epoch of `run_epochs`.
 
-    It runs after the OnStep hooks of the epoch's last step, with that step's metrics.
-
-    Only `run_epochs` has epoch ends: with `run_steps` the hook does not run (the loop
-    warns at the start of such a run).
-
-    Returns:
-      The OnEpochEnd `Hook`.
-
-    Raises:
-      ValueError: `n` is not a positive int.
+    It runs after the OnStep hooks of the epoch's last step, with that step's metrics. Only
+    `run_epochs` has epoch ends: with `run_steps` the hook does not run (the loop warns at the
+    start of such a run). A bad `n` (not a positive int) raises ValueError. The other
+    arguments are those of `on_schedule`, which registers the OnEpochEnd `Hook` returned.
     """
     return on_schedule(loop, EveryNEpochs(n), name, fn, priority=priority)

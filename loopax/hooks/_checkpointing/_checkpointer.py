@@ -81,7 +81,6 @@ class Checkpointer:
         self,
         loop: Loop,
         directory: str | os.PathLike[str],
-        *,
         keep: int | None = 3,
         best_metric: str | None = None,
         best_mode: str = "min",

@@ -84,20 +84,18 @@ def checkpoint(
 
     Example:
       >>> import tempfile, numpy as np, optax, flax.linen as nn, loopax
-      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
-      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
+      >>> def new_loop():  # a fresh trainer, as a new process would build it
+      ...     return loopax.Loop(loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
+      ...         loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1]))
       >>> data = loopax.ArrayDataset(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32),
       ...     batch_size=4, loop_forever=True)
       >>> directory = tempfile.mkdtemp()
-      >>> checkpointer = checkpoint(loopax.Loop(trainer), directory, every_n_steps=2)
+      >>> checkpointer = checkpoint(new_loop(), directory, every_n_steps=2)
       >>> _ = checkpointer.loop.run_to_step(data, 5)
       >>> checkpointer.all_steps()
       [2, 4, 5]
-      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
-      ...     loopax.losses.mean_squared_error, optax.sgd(0.1), devices=jax.devices()[:1])
-      >>> loop = loopax.Loop(trainer)
-      >>> checkpointer = checkpoint(loop, directory)
-      >>> trainer.global_step, loop.loop_step, trainer.params is not None
+      >>> loop = checkpoint(new_loop(), directory).loop
+      >>> loop.trainer.global_step, loop.loop_step, loop.trainer.params is not None
       (5, 5, True)
     """
     if restore not in (True, False, "latest", "never"):
@@ -112,14 +110,7 @@ def checkpoint(
         if schedule is not None
     ]
     checkpointer = Checkpointer(
-        loop,
-        directory,
-        keep=keep,
-        best_metric=best_metric,
-        best_mode=best_mode,
-        keep_best=keep_best,
-        keep_period=keep_period,
-        async_save=async_save,
+        loop, directory, keep, best_metric, best_mode, keep_best, keep_period, async_save
     )
     for schedule in schedules:
         # `save` checks the losses itself, first (a nan_guard may roll back there).
