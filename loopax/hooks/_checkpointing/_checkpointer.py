@@ -81,6 +81,7 @@ class Checkpointer:
         self,
         loop: Loop,
         directory: str | os.PathLike[str],
+        *,
         keep: int | None = 3,
         best_metric: str | None = None,
         best_mode: str = "min",

@@ -110,7 +110,14 @@ def checkpoint(
         if schedule is not None
     ]
     checkpointer = Checkpointer(
-        loop, directory, keep, best_metric, best_mode, keep_best, keep_period, async_save
+        loop,
+        directory,
+        keep=keep,
+        best_metric=best_metric,
+        best_mode=best_mode,
+        keep_best=keep_best,
+        keep_period=keep_period,
+        async_save=async_save,
     )
     for schedule in schedules:
         # `save` checks the losses itself, first (a nan_guard may roll back there).
