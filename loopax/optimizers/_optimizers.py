@@ -10,6 +10,9 @@ Every factory also takes ``clip_value`` (clip each gradient element to
 ``[-clip_value, clip_value]`` before the optimizer) and ``clip_global_norm`` (rescale the
 gradients so that their global norm is at most ``clip_global_norm``, after ``clip_value``);
 None (the default) for no clipping, a non-positive threshold raises ``ValueError``.
+
+``learning_rate`` is a non-negative number or a schedule of the step count (e.g.
+``cosine_decay(...)``); anything else raises ``ValueError`` when the factory is called.
 """
 
 from __future__ import annotations
@@ -100,18 +103,14 @@ def sgd(
     """Returns stochastic gradient descent, optionally with (Nesterov) momentum.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         momentum: the momentum decay in ``[0, 1)``, or None for plain SGD.
         nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
-            ``nesterov`` without momentum, or a non-positive clipping threshold.
+        ValueError: for a momentum outside ``[0, 1)`` or ``nesterov`` without one.
 
     Example:
         >>> import jax.numpy as jnp
@@ -146,18 +145,12 @@ def adam(
     """Returns the Adam optimizer.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         b1: exponential decay rate of the first moment estimate.
         b2: exponential decay rate of the second moment estimate.
         eps: added to the denominator for numerical stability.
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
-
-    Raises:
-        ValueError: for a negative learning rate or a non-positive clipping threshold.
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Example:
         >>> import jax.numpy as jnp
@@ -197,22 +190,18 @@ def adamw(
     step, so ``update`` must be given ``params``.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         weight_decay: the decoupled weight-decay rate (non-negative).
-        b1: exponential decay rate of the first moment estimate.
-        b2: exponential decay rate of the second moment estimate.
-        eps: added to the denominator for numerical stability.
+        b1: as in ``adam``.
+        b2: as in ``adam``.
+        eps: as in ``adam``.
         mask: optional pytree of booleans (or a function of the params returning one)
             selecting which parameters are decayed; None decays all.
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate or weight decay, or a non-positive
-            clipping threshold.
+        ValueError: for a negative weight decay.
 
     Example:
         >>> import jax.numpy as jnp
@@ -256,21 +245,17 @@ def rmsprop(
     """Returns the RMSProp optimizer.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         decay: decay rate of the running average of squared gradients.
         eps: added inside the square root for numerical stability.
-        momentum: the momentum decay in ``[0, 1)``, or None for none.
+        momentum: as in ``sgd``, or None for none.
         centered: normalize by the estimated variance instead of the second moment.
-        nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        nesterov: as in ``sgd``.
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
-            ``nesterov`` without momentum, or a non-positive clipping threshold.
+        ValueError: as ``sgd`` for ``momentum`` and ``nesterov``.
 
     Example:
         >>> import jax.numpy as jnp
