@@ -109,7 +109,7 @@ def binary_crossentropy_logits(
         predictions: `[logits]`, the targets' shape.
 
     Returns:
-        The mean of the per-element cross-entropies.
+        The `binary_crossentropy` of `sigmoid(logits)`, without its clipping.
 
     Example:
         >>> import jax.numpy as jnp
@@ -172,7 +172,7 @@ def categorical_crossentropy_logits(
         predictions: `[logits]`, the targets' shape, not a scalar.
 
     Returns:
-        The mean of the per-example cross-entropies.
+        The `categorical_crossentropy` of `softmax(logits)`, without its clipping.
 
     Example:
         >>> import jax.numpy as jnp

@@ -67,7 +67,7 @@ def mean_absolute_error(labels: Sequence[jax.Array], predictions: Sequence[jax.A
         predictions: `[predictions]`, the targets' shape.
 
     Returns:
-        The mean absolute error.
+        The mean absolute error; outliers weigh less than in `mean_squared_error`.
 
     Example:
         >>> import jax.numpy as jnp

@@ -50,20 +50,18 @@ def _clipping(
     optimizer: str, clip_value: float | None, clip_global_norm: float | None
 ) -> list[optax.GradientTransformation]:
     transforms = []
-    if clip_value is not None:
-        if not clip_value > 0:
+    for argument, threshold, clip, clipping_by in (
+        ("clip_value", clip_value, optax.clip, "value"),
+        ("clip_global_norm", clip_global_norm, optax.clip_by_global_norm, "global norm"),
+    ):
+        if threshold is None:
+            continue
+        if not threshold > 0:
             raise ValueError(
-                f"{optimizer}: clip_value={clip_value!r} must be positive, or None for no "
-                "clipping by value."
+                f"{optimizer}: {argument}={threshold!r} must be positive, or None for no "
+                f"clipping by {clipping_by}."
             )
-        transforms.append(optax.clip(clip_value))
-    if clip_global_norm is not None:
-        if not clip_global_norm > 0:
-            raise ValueError(
-                f"{optimizer}: clip_global_norm={clip_global_norm!r} must be positive, or "
-                "None for no clipping by global norm."
-            )
-        transforms.append(optax.clip_by_global_norm(clip_global_norm))
+        transforms.append(clip(threshold))
     return transforms
 
 
@@ -79,14 +77,17 @@ def _check_momentum(optimizer: str, momentum: float | None, nesterov: bool) -> N
 def _build(
     optimizer: str,
     factory: Callable[..., optax.GradientTransformation],
+    learning_rate: LearningRate,
     clip_value: float | None,
     clip_global_norm: float | None,
     static_args: tuple[str, ...] = (),
     **hyperparams: Any,
 ) -> optax.GradientTransformation:
-    _check_learning_rate(optimizer, hyperparams["learning_rate"])
+    """`factory(learning_rate, **hyperparams)`, injected and after the clipping, if any."""
+    _check_learning_rate(optimizer, learning_rate)
     clipping = _clipping(optimizer, clip_value, clip_global_norm)
-    inner = optax.inject_hyperparams(factory, static_args=static_args)(**hyperparams)
+    injected = optax.inject_hyperparams(factory, static_args=static_args)
+    inner = injected(learning_rate=learning_rate, **hyperparams)
     if not clipping:
         return inner
     return optax.chain(*clipping, inner)
@@ -125,9 +126,9 @@ def sgd(
     return _build(
         "sgd",
         optax.sgd,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         momentum=momentum,
         nesterov=nesterov,
     )
@@ -156,17 +157,16 @@ def adam(
         >>> import jax.numpy as jnp
         >>> from loopax.optimizers import adam
         >>> optimizer = adam(0.1)
-        >>> params = jnp.array([1.0, 2.0])
-        >>> updates, _ = optimizer.update(jnp.array([3.0, -0.5]), optimizer.init(params))
+        >>> updates, _ = optimizer.update(jnp.array([3.0, -0.5]), optimizer.init(jnp.zeros(2)))
         >>> [round(update, 4) for update in updates.tolist()]  # first Adam step: -lr * sign
         [-0.1, 0.1]
     """
     return _build(
         "adam",
         optax.adam,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         b1=b1,
         b2=b2,
         eps=eps,
@@ -218,16 +218,16 @@ def adamw(
     return _build(
         "adamw",
         optax.adamw,
+        learning_rate,
         clip_value,
         clip_global_norm,
         # A callable mask is a function of the params, not a schedule to inject.
         static_args=("mask",),
-        learning_rate=learning_rate,
+        mask=mask,
         weight_decay=weight_decay,
         b1=b1,
         b2=b2,
         eps=eps,
-        mask=mask,
     )
 
 
@@ -243,6 +243,9 @@ def rmsprop(
     clip_global_norm: float | None = None,
 ) -> optax.GradientTransformation:
     """Returns the RMSProp optimizer.
+
+    Each step divides the gradient by the root of a running average of its square (minus
+    the square of its running average when ``centered``).
 
     Args:
         learning_rate: the step size (module docs).
@@ -270,9 +273,9 @@ def rmsprop(
     return _build(
         "rmsprop",
         optax.rmsprop,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         decay=decay,
         eps=eps,
         momentum=momentum,

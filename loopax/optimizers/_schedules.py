@@ -163,8 +163,10 @@ def exponential_decay(
     Example:
         >>> from loopax.optimizers import exponential_decay
         >>> schedule = exponential_decay(1.0, transition_steps=10, decay_rate=0.5)
-        >>> [round(float(schedule(step)), 4) for step in (0, 10, 20, 25)]
-        [1.0, 0.5, 0.25, 0.1768]
+        >>> float(schedule(20))  # halved every 10 steps
+        0.25
+        >>> round(float(schedule(25)), 4)  # 0.5 ** 2.5: smooth between the halvings
+        0.1768
     """
     _require_steps("exponential_decay", "transition_steps", transition_steps)
     if not decay_rate > 0:
