@@ -4,6 +4,10 @@ Each loss uses `labels[0]` and `predictions[0]`. Extra labels may be a boolean m
 float weights (any order): the per-element loss is multiplied by the weights, and with a mask
 the mean is over the masked-in entries only (0 when none is). Losses compute in float32 and
 return the predictions' dtype.
+
+Every loss returns that scalar (the mean over elements, or over examples for the categorical
+losses) and raises `ValueError`, naming itself, when the labels' and predictions' shapes do not
+fit or an extra label has an unexpected shape or dtype.
 """
 
 from ._adaptive_power import adaptive_power_loss as adaptive_power_loss

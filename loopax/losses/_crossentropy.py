@@ -4,7 +4,7 @@ The `_logits` variants are the numerically stable ones (finite for logits of +-1
 probability variants clip predictions to `[EPSILON, 1 - EPSILON]` so that `log(0)` never
 happens.
 
-Masks, weights and the result's dtype: see `loopax.losses`.
+Masks, weights, the result and the errors raised: see `loopax.losses`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,42 @@ def _check_class_axis(loss_name: str, predictions: jax.Array) -> None:
         raise ValueError(f"{loss_name}: predictions must have a trailing class axis, got a scalar")
 
 
+def _cross_entropy(
+    loss_name: str,
+    labels: Sequence[jax.Array],
+    predictions: Sequence[jax.Array],
+    per_element_fn,
+    class_axis: bool,
+) -> jax.Array:
+    """Reduces `per_element_fn(targets, predictions)`, both cast to the compute dtype.
+
+    With `class_axis`, the last axis holds the classes: it is summed first, so the mean and
+    the extra labels are per example.
+    """
+    target, prediction, extras = unpack(loss_name, labels, predictions)
+    if class_axis:
+        _check_class_axis(loss_name, prediction)
+    check_same_shape(loss_name, target, prediction)
+    dtype = compute_dtype(prediction)
+    loss = per_element_fn(target.astype(dtype), prediction.astype(dtype))
+    if class_axis:
+        loss = jnp.sum(loss, axis=-1)
+        allowed_shapes = {target.shape[:-1]: "labels' shape without the last (class) axis"}
+    else:
+        allowed_shapes = {target.shape: "labels' shape"}
+    return reduce_loss(loss_name, loss, extras, allowed_shapes, result_dtype(prediction))
+
+
+def _per_class(log_probabilities_fn):
+    """`-y * log_probabilities_fn(x)` per class, for `_cross_entropy(class_axis=True)`."""
+
+    def per_element(target: jax.Array, prediction: jax.Array) -> jax.Array:
+        # `where` keeps 0 * log(p) at 0 even for logits of -inf (a common way to mask classes).
+        return jnp.where(target == 0, 0, -target * log_probabilities_fn(prediction))
+
+    return per_element
+
+
 def binary_crossentropy(labels: Sequence[jax.Array], predictions: Sequence[jax.Array]) -> jax.Array:
     """Binary cross-entropy of probabilities: `-(y log p + (1 - y) log(1 - p))`.
 
@@ -39,15 +75,11 @@ def binary_crossentropy(labels: Sequence[jax.Array], predictions: Sequence[jax.A
     but finite loss. Prefer `binary_crossentropy_logits` when the model outputs logits.
 
     Args:
-        labels: `[targets, *extras]`: targets in [0, 1] (float or int); `extras` may be a
-            bool mask and/or float weights of the targets' shape.
-        predictions: `[probabilities]`, the same shape as the targets.
+        labels: `[targets, *extras]`, targets in [0, 1]; extras of the targets' shape.
+        predictions: `[probabilities]`, the targets' shape.
 
     Returns:
-        The scalar loss (dtype, masks and weights: see the module docs).
-
-    Raises:
-        ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
+        The mean of the per-element cross-entropies.
 
     Example:
         >>> import jax.numpy as jnp
@@ -56,15 +88,12 @@ def binary_crossentropy(labels: Sequence[jax.Array], predictions: Sequence[jax.A
         >>> round(float(loss), 4)  # log(2)
         0.6931
     """
-    loss_name = "binary_crossentropy"
-    target, prediction, extras = unpack(loss_name, labels, predictions)
-    check_same_shape(loss_name, target, prediction)
-    dtype = compute_dtype(prediction)
-    target = target.astype(dtype)
-    probability = jnp.clip(prediction.astype(dtype), EPSILON, 1 - EPSILON)
-    per_element = -(target * jnp.log(probability) + (1 - target) * jnp.log1p(-probability))
-    allowed_shapes = {target.shape: "labels' shape"}
-    return reduce_loss(loss_name, per_element, extras, allowed_shapes, result_dtype(prediction))
+
+    def per_element(target: jax.Array, prediction: jax.Array) -> jax.Array:
+        probability = jnp.clip(prediction, EPSILON, 1 - EPSILON)
+        return -(target * jnp.log(probability) + (1 - target) * jnp.log1p(-probability))
+
+    return _cross_entropy("binary_crossentropy", labels, predictions, per_element, class_axis=False)
 
 
 def binary_crossentropy_logits(
@@ -76,15 +105,11 @@ def binary_crossentropy_logits(
     large logits (finite and exact for +-1e4).
 
     Args:
-        labels: `[targets, *extras]`: targets in [0, 1] (float or int); `extras` may be a
-            bool mask and/or float weights of the targets' shape.
-        predictions: `[logits]`, the same shape as the targets.
+        labels: as for `binary_crossentropy`.
+        predictions: `[logits]`, the targets' shape.
 
     Returns:
-        The scalar loss (dtype, masks and weights: see the module docs).
-
-    Raises:
-        ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
+        The `binary_crossentropy` of `sigmoid(logits)`, without its clipping.
 
     Example:
         >>> import jax.numpy as jnp
@@ -93,37 +118,16 @@ def binary_crossentropy_logits(
         >>> float(loss)
         0.0
     """
-    loss_name = "binary_crossentropy_logits"
-    target, prediction, extras = unpack(loss_name, labels, predictions)
-    check_same_shape(loss_name, target, prediction)
-    dtype = compute_dtype(prediction)
-    target = target.astype(dtype)
-    logits = prediction.astype(dtype)
     # softplus(x) = log(1 + e^x) = max(x, 0) + log1p(exp(-|x|)), computed stably by
     # logaddexp, and with the right gradient sigmoid(x) - y everywhere: the max/abs form
     # has the kinks of max and abs at 0, where JAX's gradient came out as -y.
-    per_element = jax.nn.softplus(logits) - logits * target
-    allowed_shapes = {target.shape: "labels' shape"}
-    return reduce_loss(loss_name, per_element, extras, allowed_shapes, result_dtype(prediction))
-
-
-def _categorical(
-    loss_name: str,
-    labels: Sequence[jax.Array],
-    predictions: Sequence[jax.Array],
-    log_probabilities_fn,
-) -> jax.Array:
-    """`-sum_last(y * log_probabilities_fn(predictions))`, reduced over all but the last axis."""
-    target, prediction, extras = unpack(loss_name, labels, predictions)
-    _check_class_axis(loss_name, prediction)
-    check_same_shape(loss_name, target, prediction)
-    dtype = compute_dtype(prediction)
-    target = target.astype(dtype)
-    log_probabilities = log_probabilities_fn(prediction.astype(dtype))
-    # `where` keeps 0 * log(p) at 0 even for logits of -inf (a common way to mask classes).
-    per_example = jnp.sum(jnp.where(target == 0, 0, -target * log_probabilities), axis=-1)
-    allowed_shapes = {target.shape[:-1]: "labels' shape without the last (class) axis"}
-    return reduce_loss(loss_name, per_example, extras, allowed_shapes, result_dtype(prediction))
+    return _cross_entropy(
+        "binary_crossentropy_logits",
+        labels,
+        predictions,
+        lambda target, logits: jax.nn.softplus(logits) - logits * target,
+        class_axis=False,
+    )
 
 
 def categorical_crossentropy(
@@ -135,17 +139,12 @@ def categorical_crossentropy(
     `categorical_crossentropy_logits` when the model outputs logits.
 
     Args:
-        labels: `[targets, *extras]`: targets are one-hot (or soft) distributions over the
-            last axis; `extras` may be a bool mask and/or float weights of the targets'
-            shape without the last axis (one per example).
-        predictions: `[probabilities]`, the same shape as the targets.
+        labels: `[targets, *extras]`, targets one-hot (or soft) over the last (class) axis;
+            extras of the targets' shape without that axis (one per example).
+        predictions: `[probabilities]`, the targets' shape, not a scalar.
 
     Returns:
-        The scalar loss: the mean of the per-example cross-entropies (see the module docs).
-
-    Raises:
-        ValueError: if shapes differ, the predictions are a scalar, or an extra label has an
-            unexpected shape or dtype.
+        The mean of the per-example cross-entropies.
 
     Example:
         >>> import jax.numpy as jnp
@@ -154,11 +153,12 @@ def categorical_crossentropy(
         >>> round(float(loss), 4)  # log(2)
         0.6931
     """
-    return _categorical(
+    return _cross_entropy(
         "categorical_crossentropy",
         labels,
         predictions,
-        lambda probabilities: jnp.log(jnp.clip(probabilities, EPSILON, 1 - EPSILON)),
+        _per_class(lambda probabilities: jnp.log(jnp.clip(probabilities, EPSILON, 1 - EPSILON))),
+        class_axis=True,
     )
 
 
@@ -168,17 +168,11 @@ def categorical_crossentropy_logits(
     """Categorical cross-entropy of logits: `-sum_last(y * log_softmax(x))`, computed stably.
 
     Args:
-        labels: `[targets, *extras]`: targets are one-hot (or soft) distributions over the
-            last axis; `extras` may be a bool mask and/or float weights of the targets'
-            shape without the last axis (one per example).
-        predictions: `[logits]`, the same shape as the targets.
+        labels: as for `categorical_crossentropy`.
+        predictions: `[logits]`, the targets' shape, not a scalar.
 
     Returns:
-        The scalar loss: the mean of the per-example cross-entropies (see the module docs).
-
-    Raises:
-        ValueError: if shapes differ, the predictions are a scalar, or an extra label has an
-            unexpected shape or dtype.
+        The `categorical_crossentropy` of `softmax(logits)`, without its clipping.
 
     Example:
         >>> import jax.numpy as jnp
@@ -187,11 +181,12 @@ def categorical_crossentropy_logits(
         >>> float(categorical_crossentropy_logits([one_hot], [jnp.array([[-1e4, 1e4]])]))
         0.0
     """
-    return _categorical(
+    return _cross_entropy(
         "categorical_crossentropy_logits",
         labels,
         predictions,
-        lambda logits: jax.nn.log_softmax(logits, axis=-1),
+        _per_class(lambda logits: jax.nn.log_softmax(logits, axis=-1)),
+        class_axis=True,
     )
 
 
@@ -209,14 +204,11 @@ def sparse_categorical_crossentropy_logits(
         predictions: `[logits]` of shape `[..., num_classes]`.
 
     Returns:
-        The scalar loss in the predictions' dtype (accumulated in float32): the mean over
-        examples. With a mask, the mean is over the masked-in examples only, and 0 if none
-        is. A class id outside `[0, num_classes)` makes the loss NaN rather than silently
-        wrong.
+        The mean over examples; NaN if a class id is outside `[0, num_classes)`, rather
+        than a silently wrong loss.
 
     Raises:
-        ValueError: if the labels are not integers, their shape does not match the logits,
-            or an extra label has an unexpected shape or dtype.
+        ValueError: if the labels are not integer class ids.
 
     Example:
         >>> import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Regression losses: mean squared error, mean absolute error and Huber.
 
-Masks, weights and the result's dtype: see `loopax.losses`.
+Masks, weights, the result and the errors raised: see `loopax.losses`.
 """
 
 from __future__ import annotations
@@ -44,15 +44,11 @@ def mean_squared_error(labels: Sequence[jax.Array], predictions: Sequence[jax.Ar
     """Mean of the squared error `(labels[0] - predictions[0]) ** 2`.
 
     Args:
-        labels: `[targets, *extras]`; `extras` may be a bool mask and/or float weights of
-            the targets' shape or `[batch]`.
-        predictions: `[predictions]`, the same shape as the targets.
+        labels: `[targets, *extras]`, extras of the targets' shape or `[batch]`.
+        predictions: `[predictions]`, the targets' shape.
 
     Returns:
-        The scalar loss (dtype, masks and weights: see the module docs).
-
-    Raises:
-        ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
+        The mean squared error.
 
     Example:
         >>> import jax.numpy as jnp
@@ -67,15 +63,11 @@ def mean_absolute_error(labels: Sequence[jax.Array], predictions: Sequence[jax.A
     """Mean of the absolute error `abs(labels[0] - predictions[0])`.
 
     Args:
-        labels: `[targets, *extras]`; `extras` may be a bool mask and/or float weights of
-            the targets' shape or `[batch]`.
-        predictions: `[predictions]`, the same shape as the targets.
+        labels: as for `mean_squared_error`.
+        predictions: `[predictions]`, the targets' shape.
 
     Returns:
-        The scalar loss (dtype, masks and weights: see the module docs).
-
-    Raises:
-        ValueError: if shapes differ or an extra label has an unexpected shape or dtype.
+        The mean absolute error; outliers weigh less than in `mean_squared_error`.
 
     Example:
         >>> import jax.numpy as jnp

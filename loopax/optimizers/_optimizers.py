@@ -10,6 +10,9 @@ Every factory also takes ``clip_value`` (clip each gradient element to
 ``[-clip_value, clip_value]`` before the optimizer) and ``clip_global_norm`` (rescale the
 gradients so that their global norm is at most ``clip_global_norm``, after ``clip_value``);
 None (the default) for no clipping, a non-positive threshold raises ``ValueError``.
+
+``learning_rate`` is a non-negative number or a schedule of the step count (e.g.
+``cosine_decay(...)``); anything else raises ``ValueError`` when the factory is called.
 """
 
 from __future__ import annotations
@@ -47,20 +50,18 @@ def _clipping(
     optimizer: str, clip_value: float | None, clip_global_norm: float | None
 ) -> list[optax.GradientTransformation]:
     transforms = []
-    if clip_value is not None:
-        if not clip_value > 0:
+    for argument, threshold, clip, clipping_by in (
+        ("clip_value", clip_value, optax.clip, "value"),
+        ("clip_global_norm", clip_global_norm, optax.clip_by_global_norm, "global norm"),
+    ):
+        if threshold is None:
+            continue
+        if not threshold > 0:
             raise ValueError(
-                f"{optimizer}: clip_value={clip_value!r} must be positive, or None for no "
-                "clipping by value."
+                f"{optimizer}: {argument}={threshold!r} must be positive, or None for no "
+                f"clipping by {clipping_by}."
             )
-        transforms.append(optax.clip(clip_value))
-    if clip_global_norm is not None:
-        if not clip_global_norm > 0:
-            raise ValueError(
-                f"{optimizer}: clip_global_norm={clip_global_norm!r} must be positive, or "
-                "None for no clipping by global norm."
-            )
-        transforms.append(optax.clip_by_global_norm(clip_global_norm))
+        transforms.append(clip(threshold))
     return transforms
 
 
@@ -76,14 +77,17 @@ def _check_momentum(optimizer: str, momentum: float | None, nesterov: bool) -> N
 def _build(
     optimizer: str,
     factory: Callable[..., optax.GradientTransformation],
+    learning_rate: LearningRate,
     clip_value: float | None,
     clip_global_norm: float | None,
     static_args: tuple[str, ...] = (),
     **hyperparams: Any,
 ) -> optax.GradientTransformation:
-    _check_learning_rate(optimizer, hyperparams["learning_rate"])
+    """`factory(learning_rate, **hyperparams)`, injected and after the clipping, if any."""
+    _check_learning_rate(optimizer, learning_rate)
     clipping = _clipping(optimizer, clip_value, clip_global_norm)
-    inner = optax.inject_hyperparams(factory, static_args=static_args)(**hyperparams)
+    injected = optax.inject_hyperparams(factory, static_args=static_args)
+    inner = injected(learning_rate=learning_rate, **hyperparams)
     if not clipping:
         return inner
     return optax.chain(*clipping, inner)
@@ -100,18 +104,14 @@ def sgd(
     """Returns stochastic gradient descent, optionally with (Nesterov) momentum.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         momentum: the momentum decay in ``[0, 1)``, or None for plain SGD.
         nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
-            ``nesterov`` without momentum, or a non-positive clipping threshold.
+        ValueError: for a momentum outside ``[0, 1)`` or ``nesterov`` without one.
 
     Example:
         >>> import jax.numpy as jnp
@@ -126,9 +126,9 @@ def sgd(
     return _build(
         "sgd",
         optax.sgd,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         momentum=momentum,
         nesterov=nesterov,
     )
@@ -146,34 +146,27 @@ def adam(
     """Returns the Adam optimizer.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         b1: exponential decay rate of the first moment estimate.
         b2: exponential decay rate of the second moment estimate.
         eps: added to the denominator for numerical stability.
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
-
-    Raises:
-        ValueError: for a negative learning rate or a non-positive clipping threshold.
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from loopax.optimizers import adam
         >>> optimizer = adam(0.1)
-        >>> params = jnp.array([1.0, 2.0])
-        >>> updates, _ = optimizer.update(jnp.array([3.0, -0.5]), optimizer.init(params))
+        >>> updates, _ = optimizer.update(jnp.array([3.0, -0.5]), optimizer.init(jnp.zeros(2)))
         >>> [round(update, 4) for update in updates.tolist()]  # first Adam step: -lr * sign
         [-0.1, 0.1]
     """
     return _build(
         "adam",
         optax.adam,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         b1=b1,
         b2=b2,
         eps=eps,
@@ -197,22 +190,18 @@ def adamw(
     step, so ``update`` must be given ``params``.
 
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         weight_decay: the decoupled weight-decay rate (non-negative).
-        b1: exponential decay rate of the first moment estimate.
-        b2: exponential decay rate of the second moment estimate.
-        eps: added to the denominator for numerical stability.
+        b1: as in ``adam``.
+        b2: as in ``adam``.
+        eps: as in ``adam``.
         mask: optional pytree of booleans (or a function of the params returning one)
             selecting which parameters are decayed; None decays all.
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate or weight decay, or a non-positive
-            clipping threshold.
+        ValueError: for a negative weight decay.
 
     Example:
         >>> import jax.numpy as jnp
@@ -229,16 +218,16 @@ def adamw(
     return _build(
         "adamw",
         optax.adamw,
+        learning_rate,
         clip_value,
         clip_global_norm,
         # A callable mask is a function of the params, not a schedule to inject.
         static_args=("mask",),
-        learning_rate=learning_rate,
+        mask=mask,
         weight_decay=weight_decay,
         b1=b1,
         b2=b2,
         eps=eps,
-        mask=mask,
     )
 
 
@@ -255,22 +244,21 @@ def rmsprop(
 ) -> optax.GradientTransformation:
     """Returns the RMSProp optimizer.
 
+    Each step divides the gradient by the root of a running average of its square (minus
+    the square of its running average when ``centered``).
+
     Args:
-        learning_rate: a non-negative float, or a schedule of the step count.
+        learning_rate: the step size (module docs).
         decay: decay rate of the running average of squared gradients.
         eps: added inside the square root for numerical stability.
-        momentum: the momentum decay in ``[0, 1)``, or None for none.
+        momentum: as in ``sgd``, or None for none.
         centered: normalize by the estimated variance instead of the second moment.
-        nesterov: use Nesterov momentum (needs ``momentum``).
-        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` first.
-        clip_global_norm: cap the gradients' global norm (see the module docs).
-
-    Returns:
-        An ``optax.GradientTransformation`` with an injectable learning rate (module docs).
+        nesterov: as in ``sgd``.
+        clip_value: see the module docs.
+        clip_global_norm: see the module docs.
 
     Raises:
-        ValueError: for a negative learning rate, a momentum outside ``[0, 1)``,
-            ``nesterov`` without momentum, or a non-positive clipping threshold.
+        ValueError: as ``sgd`` for ``momentum`` and ``nesterov``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -285,9 +273,9 @@ def rmsprop(
     return _build(
         "rmsprop",
         optax.rmsprop,
+        learning_rate,
         clip_value,
         clip_global_norm,
-        learning_rate=learning_rate,
         decay=decay,
         eps=eps,
         momentum=momentum,

@@ -19,10 +19,12 @@ import optax
 from ._by_name import build_by_name
 
 
-def _require_positive_steps(function: str, argument: str, steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+def _require_steps(function: str, argument: str, steps: int, minimum: int = 1) -> None:
+    """Raises unless `steps` is an int (not a bool) of at least `minimum` (1 or 0)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < minimum:
+        sign = "positive" if minimum == 1 else "non-negative"
         raise ValueError(
-            f"{function}: {argument}={steps!r} must be a positive integer number of steps."
+            f"{function}: {argument}={steps!r} must be a {sign} integer number of steps."
         )
 
 
@@ -74,7 +76,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> opt
         >>> [round(float(schedule(step)), 4) for step in (0, 50, 100, 200)]
         [1.0, 0.55, 0.1, 0.1]
     """
-    _require_positive_steps("cosine_decay", "decay_steps", decay_steps)
+    _require_steps("cosine_decay", "decay_steps", decay_steps)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"cosine_decay: alpha={alpha!r} must be in [0, 1].")
     return optax.cosine_decay_schedule(init_value, decay_steps, alpha=alpha)
@@ -114,11 +116,8 @@ def warmup_cosine(
         >>> [round(float(schedule(step)), 4) for step in (0, 5, 10, 60, 110)]
         [0.0, 0.5, 1.0, 0.5, 0.0]
     """
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"warmup_cosine: warmup_steps={warmup_steps!r} must be a non-negative integer."
-        )
-    _require_positive_steps("warmup_cosine", "decay_steps", decay_steps)
+    _require_steps("warmup_cosine", "warmup_steps", warmup_steps, minimum=0)
+    _require_steps("warmup_cosine", "decay_steps", decay_steps)
     if decay_steps <= warmup_steps:
         raise ValueError(
             f"warmup_cosine: decay_steps={decay_steps} must be larger than "
@@ -126,11 +125,7 @@ def warmup_cosine(
             f"use decay_steps={warmup_steps} + <number of decay steps>."
         )
     return optax.warmup_cosine_decay_schedule(
-        init_value=init_value,
-        peak_value=peak_value,
-        warmup_steps=warmup_steps,
-        decay_steps=decay_steps,
-        end_value=end_value,
+        init_value, peak_value, warmup_steps, decay_steps, end_value
     )
 
 
@@ -168,23 +163,21 @@ def exponential_decay(
     Example:
         >>> from loopax.optimizers import exponential_decay
         >>> schedule = exponential_decay(1.0, transition_steps=10, decay_rate=0.5)
-        >>> [round(float(schedule(step)), 4) for step in (0, 10, 20, 25)]
-        [1.0, 0.5, 0.25, 0.1768]
+        >>> float(schedule(20))  # halved every 10 steps
+        0.25
+        >>> round(float(schedule(25)), 4)  # 0.5 ** 2.5: smooth between the halvings
+        0.1768
     """
-    _require_positive_steps("exponential_decay", "transition_steps", transition_steps)
+    _require_steps("exponential_decay", "transition_steps", transition_steps)
     if not decay_rate > 0:
         raise ValueError(f"exponential_decay: decay_rate={decay_rate!r} must be positive.")
     if transition_begin < 0:
         raise ValueError(
             f"exponential_decay: transition_begin={transition_begin!r} must be non-negative."
         )
+    # The same arguments in the same order as optax's.
     return optax.exponential_decay(
-        init_value=init_value,
-        transition_steps=transition_steps,
-        decay_rate=decay_rate,
-        transition_begin=transition_begin,
-        staircase=staircase,
-        end_value=end_value,
+        init_value, transition_steps, decay_rate, transition_begin, staircase, end_value
     )
 
 
@@ -262,12 +255,9 @@ def periodic_cosine(
         raise ValueError(
             f"{function}: min_value={min_value!r} must not exceed init_value={init_value!r}."
         )
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"{function}: warmup_steps={warmup_steps!r} must be a non-negative integer."
-        )
+    _require_steps(function, "warmup_steps", warmup_steps, minimum=0)
     if period_steps is not None and num_cycles is None:
-        _require_positive_steps(function, "period_steps", period_steps)
+        _require_steps(function, "period_steps", period_steps)
         if total_steps is not None:
             raise ValueError(
                 f"{function}: total_steps={total_steps!r} is only used with num_cycles; "
@@ -275,13 +265,13 @@ def periodic_cosine(
             )
         period = float(period_steps)
     elif num_cycles is not None and period_steps is None:
-        _require_positive_steps(function, "num_cycles", num_cycles)
+        _require_steps(function, "num_cycles", num_cycles)
         if total_steps is None:
             raise ValueError(
                 f"{function}: num_cycles={num_cycles!r} needs total_steps, the number of "
                 "training steps the cycles split (after the warmup)."
             )
-        _require_positive_steps(function, "total_steps", total_steps)
+        _require_steps(function, "total_steps", total_steps)
         if total_steps <= warmup_steps:
             raise ValueError(
                 f"{function}: total_steps={total_steps} must be larger than "
