@@ -12,6 +12,13 @@ categorical accuracy, the labels' shape for binary accuracies). The accuracy is
 `sum(weight * correct) / sum(weight)` over the masked-in entries: masked-out entries
 count for nothing, and weights are normalized by their sum (as in Keras and
 scikit-learn), so the result stays a fraction in [0, 1].
+
+Every accuracy takes the keywords `name` (the key in the metrics dict) and `short_name`
+(for compact displays); the moving averages also `new_example_weight` (the weight of a new
+batch after the first `1/new_example_weight`; a ValueError unless in (0, 1]), averaging as
+in `MovingAverage`. The mean accuracies' state is `MeanState(total, weight)`; the moving
+averages' is `MovingAverageState(mean, count)`, their partial a `MeanState`. `update`
+raises ValueError, at trace time, when shapes or dtypes are wrong.
 """
 
 from __future__ import annotations
@@ -181,19 +188,22 @@ def binary_logits_correct(
     return _binary_hits(culprit, labels, predictions, lambda y, logit: logit * (y - 0.5) > 0)
 
 
+# What makes a Mean or MovingAverage an accuracy: its metric type and percentages.
+_SHOWN: dict[str, Any] = {"metric_type": ACCURACY_METRIC_TYPE, "formatter": format_percent}
+
+
+def _named(correct: Callable[..., Any], metric: Any, name: str) -> Callable[..., Any]:
+    """`correct` with its culprit filled in: the metric's class and name, for messages."""
+    return functools.partial(correct, f"{type(metric).__name__} {name!r}")
+
+
 class _MeanAccuracy(Mean):
     """A `Mean` of a correctness function (`_correct`), an accuracy shown as a percentage."""
 
     _correct: Callable[..., Any]
 
     def __init__(self, *, name: str = "Accuracy", short_name: str = "acc"):
-        super().__init__(
-            name,
-            functools.partial(self._correct, f"{type(self).__name__} {name!r}"),
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,
-        )
+        super().__init__(name, _named(self._correct, self, name), short_name=short_name, **_SHOWN)
 
 
 class _MovingAccuracy(MovingAverage):
@@ -208,13 +218,9 @@ class _MovingAccuracy(MovingAverage):
         short_name: str = "~acc",
         new_example_weight: float = 0.01,
     ):
+        correct = _named(self._correct, self, name)
         super().__init__(
-            name,
-            functools.partial(self._correct, f"{type(self).__name__} {name!r}"),
-            new_example_weight=new_example_weight,
-            short_name=short_name,
-            metric_type=ACCURACY_METRIC_TYPE,
-            formatter=format_percent,
+            name, correct, new_example_weight=new_example_weight, short_name=short_name, **_SHOWN
         )
 
 
@@ -224,14 +230,7 @@ class SparseCategoricalAccuracy(_MeanAccuracy):
     `labels[0]`: integer class ids `[...]` or `[..., 1]`; `predictions[0]`: logits or
     probabilities `[..., C]` (argmax is the same for both; ties go to the lowest class).
     Optional bool mask and/or float weights of shape `[...]` in `labels[1:]` (see the
-    module docs). State: `MeanState(total, weight)`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-
-    Raises:
-      ValueError: from `update`, when shapes or dtypes are wrong (at trace time).
+    module docs).
 
     Example:
       >>> import jax.numpy as jnp
@@ -253,14 +252,7 @@ class BinaryAccuracy(_MeanAccuracy):
     """Fraction of binary labels predicted within 0.5 by a probability.
 
     Correct iff `abs(labels[0] - predictions[0]) < 0.5`. Optional bool mask and/or float
-    weights of the labels' shape in `labels[1:]`. State: `MeanState(total, weight)`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-
-    Raises:
-      ValueError: from `update`, when shapes or dtypes are wrong (at trace time).
+    weights of the labels' shape in `labels[1:]`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -278,14 +270,7 @@ class BinaryLogitsAccuracy(_MeanAccuracy):
     """Fraction of binary labels whose logit has the right sign.
 
     Correct iff `predictions[0] * (labels[0] - 0.5) > 0`. Optional bool mask and/or float
-    weights of the labels' shape in `labels[1:]`. State: `MeanState(total, weight)`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-
-    Raises:
-      ValueError: from `update`, when shapes or dtypes are wrong (at trace time).
+    weights of the labels' shape in `labels[1:]`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -302,16 +287,7 @@ class BinaryLogitsAccuracy(_MeanAccuracy):
 class MovingAverageSparseCategoricalAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `SparseCategoricalAccuracy`.
 
-    Same inputs as `SparseCategoricalAccuracy`; averaging as in `MovingAverage`.
-    State: `MovingAverageState(mean, count)`; partial: `MeanState`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-      new_example_weight: weight of a new batch after the first `1/new_example_weight`.
-
-    Raises:
-      ValueError: `new_example_weight` not in (0, 1]; from `update`, wrong shapes/dtypes.
+    Same inputs as `SparseCategoricalAccuracy`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -330,16 +306,6 @@ class MovingAverageSparseCategoricalAccuracy(_MovingAccuracy):
 class MovingAverageBinaryAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `BinaryAccuracy` (probability predictions).
 
-    State: `MovingAverageState(mean, count)`; partial: `MeanState`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-      new_example_weight: weight of a new batch after the first `1/new_example_weight`.
-
-    Raises:
-      ValueError: `new_example_weight` not in (0, 1]; from `update`, wrong shapes/dtypes.
-
     Example:
       >>> import jax.numpy as jnp
       >>> acc = MovingAverageBinaryAccuracy(new_example_weight=0.5)
@@ -355,16 +321,6 @@ class MovingAverageBinaryAccuracy(_MovingAccuracy):
 
 class MovingAverageBinaryLogitsAccuracy(_MovingAccuracy):
     """Moving average of the per-batch `BinaryLogitsAccuracy` (logit predictions).
-
-    State: `MovingAverageState(mean, count)`; partial: `MeanState`.
-
-    Args:
-      name: key in the metrics dict.
-      short_name: name for compact displays.
-      new_example_weight: weight of a new batch after the first `1/new_example_weight`.
-
-    Raises:
-      ValueError: `new_example_weight` not in (0, 1]; from `update`, wrong shapes/dtypes.
 
     Example:
       >>> import jax.numpy as jnp

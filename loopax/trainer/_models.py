@@ -27,7 +27,39 @@ def _as_list(predictions: Any) -> list:
     return list(predictions) if isinstance(predictions, (list, tuple)) else [predictions]
 
 
-class LinenModel:
+class _FlaxModel:
+    """A Flax module adapted to the Linen interface: `apply` runs `_predict` and checks it.
+
+    `spec` and `global_step` are for model functions (`ModelModule`); a module takes neither.
+    """
+
+    module: Any
+
+    def _predict(
+        self, variables: dict, inputs: list, training: bool, rngs: dict, mutable: list[str]
+    ) -> tuple[Any, dict]:
+        """The module's raw predictions on `inputs` and its new model state."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        variables: dict,
+        spec: Any,
+        inputs: list,
+        training: bool,
+        *,
+        rngs: dict,
+        mutable: list[str],
+        global_step: Any = None,
+    ) -> tuple[tuple[list, None], dict]:
+        del spec, global_step
+        predictions, new_state = self._predict(variables, inputs, training, rngs, mutable)
+        predictions = _as_list(predictions)
+        check_predictions(self.module, predictions)
+        return (predictions, None), new_state
+
+
+class LinenModel(_FlaxModel):
     """A `flax.linen.Module` instance, called as `module(*inputs, train=...)`.
 
     The keyword is the one it takes among `train`, `training` (True in train steps) and
@@ -51,27 +83,16 @@ class LinenModel:
         del spec
         return dict(self.module.init(rngs, *inputs, **self._kwargs(training)))
 
-    def apply(
-        self,
-        variables: dict,
-        spec: Any,
-        inputs: list,
-        training: bool,
-        *,
-        rngs: dict,
-        mutable: list[str],
-        global_step: Any = None,
-    ) -> tuple[tuple[list, None], dict]:
-        del spec, global_step
+    def _predict(
+        self, variables: dict, inputs: list, training: bool, rngs: dict, mutable: list[str]
+    ) -> tuple[Any, dict]:
         predictions, new_state = self.module.apply(
             variables, *inputs, **self._kwargs(training), rngs=rngs, mutable=mutable
         )
-        predictions = _as_list(predictions)
-        check_predictions(self.module, predictions)
-        return (predictions, None), dict(new_state)
+        return predictions, dict(new_state)
 
 
-class NnxModel:
+class NnxModel(_FlaxModel):
     """A `flax.nnx.Module` instance, called as `module(*inputs)`.
 
     Its `nnx.Param`s are the trained parameters; its other variables (`BatchStat`, ...)
@@ -120,18 +141,10 @@ class NnxModel:
             variables[NNX_STATE] = self._rest
         return variables
 
-    def apply(
-        self,
-        variables: dict,
-        spec: Any,
-        inputs: list,
-        training: bool,
-        *,
-        rngs: dict,
-        mutable: list[str],
-        global_step: Any = None,
-    ) -> tuple[tuple[list, None], dict]:
-        del spec, global_step, mutable
+    def _predict(
+        self, variables: dict, inputs: list, training: bool, rngs: dict, mutable: list[str]
+    ) -> tuple[Any, dict]:
+        del mutable  # the model state is all of the module's non-parameter variables
         nnx = self._nnx
         params, rng_state, rest = self._templates
         module = nnx.merge(
@@ -140,13 +153,12 @@ class NnxModel:
             self._filled(rng_state, self._fresh_rngs(rngs["dropout"])),
             self._filled(rest, variables.get(NNX_STATE, {})),
         )
-        predictions = _as_list(module(*inputs))
-        check_predictions(self.module, predictions)
+        predictions = module(*inputs)
         new_state = {}
         if self._rest:
             rest = nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
             new_state[NNX_STATE] = nnx.to_pure_dict(rest)
-        return (predictions, None), new_state
+        return predictions, new_state
 
     def update_module(self, params: dict, model_state: dict) -> Any:
         """Writes the trainer's parameters and model state (host arrays) into the user's module.

@@ -10,7 +10,7 @@ the mean over devices, and how a body is wrapped and compiled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 from jax.stages import Wrapped
 
 from .._devices import AXIS, Device
+
+if TYPE_CHECKING:
+    from ._program import Program
 
 STRATEGIES = ("shard_map", "pmap")
 
@@ -91,25 +94,20 @@ class Strategy:
     # -- compiling ----------------------------------------------------------------------
 
     def wrap(
-        self,
-        body: Callable[..., Any],
-        num_replicated: int,
-        num_sharded: int,
-        donate: tuple[int, ...],
-        per_example_output: bool = False,
-        batch_axis: int = 0,
+        self, body: Callable[..., Any], program: Program, sharded: int, batch_axis: int = 0
     ) -> Wrapped:
         """`body(*state, *batch) -> (new_state, values)` as one jit-compiled program.
 
-        The first `num_replicated` arguments are replicated (state); the next
-        `num_sharded` are split on `batch_axis` across devices (the batch). The replicated
-        `values` come back as one copy. With `per_example_output` the body returns
-        per-example values (predictions), which come back as one global batch in order.
+        The first `program.replicated` arguments are replicated (state); the next `sharded`
+        are split on `batch_axis` across devices (the batch); `program.donate`'s buffers are
+        reused. The replicated `values` come back as one copy. With
+        `program.per_example_output` the body returns per-example values (predictions),
+        which come back as one global batch in order.
         """
         batch_spec = P(*([None] * batch_axis), AXIS)
-        in_specs = (P(),) * num_replicated + (batch_spec,) * num_sharded
+        in_specs = (P(),) * program.replicated + (batch_spec,) * sharded
         # One device skips the collectives that mark values replicated, so skips the check.
-        out_specs = P(AXIS) if per_example_output else (P(), P())
+        out_specs = P(AXIS) if program.per_example_output else (P(), P())
         stepped = jax.shard_map(
             body,
             mesh=self.mesh,
@@ -118,7 +116,7 @@ class Strategy:
             check_vma=self.num_devices > 1,
         )
         shardings = tuple(NamedSharding(self.mesh, spec) for spec in in_specs)
-        return jax.jit(stepped, in_shardings=shardings, donate_argnums=donate)
+        return jax.jit(stepped, in_shardings=shardings, donate_argnums=program.donate)
 
     def initializer(self, body: Callable[..., Any]) -> Callable[..., Any]:
         """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
@@ -186,22 +184,16 @@ class Pmap(Strategy):
         return pmean(grads)
 
     def wrap(
-        self,
-        body: Callable[..., Any],
-        num_replicated: int,
-        num_sharded: int,
-        donate: tuple[int, ...],
-        per_example_output: bool = False,
-        batch_axis: int = 0,
+        self, body: Callable[..., Any], program: Program, sharded: int, batch_axis: int = 0
     ) -> Wrapped:
         """As `Strategy.wrap`; the state arguments and new state carry the device axis."""
-        num_devices = self.num_devices
+        num_devices, num_replicated = self.num_devices, program.replicated
         pmapped = jax.pmap(
             body,
             axis_name=AXIS,
             devices=self.devices,
-            out_axes=0 if per_example_output else (0, None),
-            donate_argnums=donate,
+            out_axes=0 if program.per_example_output else (0, None),
+            donate_argnums=program.donate,
         )
 
         def to_devices(a: jax.Array) -> jax.Array:
@@ -218,11 +210,11 @@ class Pmap(Strategy):
         def split_batch_then_pmap(*args):
             state, batch = args[:num_replicated], args[num_replicated:]
             out = pmapped(*state, *jax.tree.map(to_devices, batch))
-            if per_example_output:  # devices x per-device examples -> one batch
+            if program.per_example_output:  # devices x per-device examples -> one batch
                 out = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), out)
             return out
 
-        return jax.jit(split_batch_then_pmap, donate_argnums=donate)
+        return jax.jit(split_batch_then_pmap, donate_argnums=program.donate)
 
 
 def choose(parallel: str, devices: Sequence[Device] | None) -> Strategy:

@@ -80,14 +80,7 @@ def _wrapped(
 ) -> Wrapped:
     """The program's body over the strategy's devices, one jit-compiled program."""
     body = functools.partial(program.body(steps), spec, rng)
-    return strategy.wrap(
-        body,
-        program.replicated,
-        sharded,
-        donate=program.donate,
-        per_example_output=program.per_example_output,
-        batch_axis=leading,
-    )
+    return strategy.wrap(body, program, sharded, batch_axis=leading)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -170,7 +163,7 @@ def _gathering(
     if strategy.slices_in_scan:  # each step slices its own batch in the scan
         scan = functools.partial(program.body(steps), spec, rng)
         body = gathering_steps(scan, count, size, strategy.num_devices)
-        return strategy.wrap(body, program.replicated, sharded, donate=program.donate)
+        return strategy.wrap(body, program, sharded)
     # pmap: the group gathered first, then the stacked steps
     run = TRAIN_STEPS.wrap(TRAIN_STEPS, strategy, steps, spec, rng, source, leading, 2)
     return jax.jit(gathering(run, count, size), donate_argnums=program.donate)

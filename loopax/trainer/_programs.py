@@ -116,11 +116,7 @@ class Programs:
         """Runs `TRAIN` on a batch: one optimizer step; its metrics."""
         inputs = as_list(inputs)
         labels = as_list(labels)
-        executor = self._cache.executor(TRAIN, spec, inputs, labels, self._compile)
-        strategy = self._strategy
-        if strategy.multi_process:
-            leading = len(TRAIN.axes(self._cache.accumulating))
-            inputs, labels = TRAIN.arguments(strategy, (inputs, labels), leading)
+        executor = self._cache.executor(TRAIN, spec, inputs, labels, self._compile_train)
         placed = self._placed
         placed.placed, values = executor.run(placed.placed, inputs, labels)
         placed.global_step += 1
@@ -130,11 +126,7 @@ class Programs:
         """Runs `TRAIN_STEPS` on stacked batches: one step per batch."""
         inputs = as_list(inputs)
         labels = as_list(labels)
-        executor = self._cache.executor(TRAIN_STEPS, spec, inputs, labels, self._compile)
-        strategy = self._strategy
-        if strategy.multi_process:
-            leading = len(TRAIN_STEPS.axes(self._cache.accumulating))
-            inputs, labels = TRAIN_STEPS.arguments(strategy, (inputs, labels), leading)
+        executor = self._cache.executor(TRAIN_STEPS, spec, inputs, labels, self._compile_train)
         placed = self._placed
         placed.placed, values = executor.run(placed.placed, inputs, labels)
         placed.global_step += int(inputs[0].shape[0])
@@ -172,6 +164,26 @@ class Programs:
         return executor.run(self._placed.placed, *states, *arguments)
 
     # -- compiling ------------------------------------------------------------------------
+
+    def _compile_train(
+        self, program: Program, spec: Any, inputs: list, labels: list, batch: int
+    ) -> Executor:
+        """`_compile` for a train program that takes this process's batch as it comes.
+
+        Under several processes its run first assembles the global arrays from this
+        process's share; one process's run passes the batch on as it is (the hot path).
+        """
+        executor = self._compile(program, spec, inputs, labels, batch)
+        strategy = self._strategy
+        if strategy.multi_process:
+            compiled = executor.run
+            leading = len(program.axes(self._cache.accumulating))
+
+            def run_global(state: Any, inputs: list, labels: list) -> Any:
+                return compiled(state, *program.arguments(strategy, (inputs, labels), leading))
+
+            executor.run = run_global
+        return executor
 
     def _compile(
         self,
