@@ -57,16 +57,7 @@ def load_params(directory: str | os.PathLike[str], step: int | None = None) -> A
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {str(directory)!r}")
     check_directory(directory)
-    manager = open_manager(
-        ocp,
-        directory,
-        keep=None,
-        best_metric=None,
-        best_mode="min",
-        keep_best=1,
-        keep_period=None,
-        create=False,
-    )
+    manager = open_manager(ocp, directory, create=False)
     try:
         steps = sorted(manager.all_steps(), reverse=True)
         if not steps:

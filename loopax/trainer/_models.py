@@ -9,6 +9,7 @@ checkpoints and data parallelism then treat all three alike.
 
 from __future__ import annotations
 
+import abc
 import inspect
 from typing import Any
 
@@ -27,7 +28,7 @@ def _as_list(predictions: Any) -> list:
     return list(predictions) if isinstance(predictions, (list, tuple)) else [predictions]
 
 
-class _FlaxModel:
+class _FlaxModel(abc.ABC):
     """A Flax module adapted to the Linen interface: `apply` runs `_predict` and checks it.
 
     `spec` and `global_step` are for model functions (`ModelModule`); a module takes neither.
@@ -35,11 +36,11 @@ class _FlaxModel:
 
     module: Any
 
+    @abc.abstractmethod
     def _predict(
         self, variables: dict, inputs: list, training: bool, rngs: dict, mutable: list[str]
     ) -> tuple[Any, dict]:
         """The module's raw predictions on `inputs` and its new model state."""
-        raise NotImplementedError
 
     def apply(
         self,

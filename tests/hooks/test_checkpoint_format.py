@@ -52,16 +52,7 @@ def run(directory):
 
 
 def read_state(directory, step):
-    manager = open_manager(
-        ocp,
-        directory,
-        keep=None,
-        best_metric=None,
-        best_mode="min",
-        keep_best=1,
-        keep_period=None,
-        create=False,
-    )
+    manager = open_manager(ocp, directory, create=False)
     try:
         return read(manager, ocp, step)
     finally:

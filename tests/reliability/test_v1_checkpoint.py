@@ -58,16 +58,7 @@ def test_v1_checkpoint_restores_and_continues_bit_identically(tmp_path):
 def test_v1_checkpoint_restores_the_train_metric_states_under_their_names(tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(FIXTURE / str(SAVED_STEP), directory / str(SAVED_STEP))
-    manager = open_manager(
-        ocp,
-        directory,
-        keep=None,
-        best_metric=None,
-        best_mode="min",
-        keep_best=1,
-        keep_period=None,
-        create=False,
-    )
+    manager = open_manager(ocp, directory, create=False)
     try:
         saved, _ = read(manager, ocp, SAVED_STEP)
     finally:

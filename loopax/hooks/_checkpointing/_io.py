@@ -170,16 +170,17 @@ def open_manager(
     ocp: Any,
     directory: Path,
     *,
-    keep: int | None,
-    best_metric: str | None,
-    best_mode: str,
-    keep_best: int,
-    keep_period: int | None,
+    keep: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    keep_best: int = 1,
+    keep_period: int | None = None,
     create: bool = True,
 ) -> Any:
     """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention.
 
-    It keeps the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`.
+    It keeps the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`;
+    by default everything (a reader's manager deletes nothing).
     """
     from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
