@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -95,3 +96,31 @@ def json_value(value: Any, message: Callable[[Exception], str]) -> None:
         json.dumps(value)
     except (TypeError, ValueError) as err:
         raise TypeError(message(err)) from err
+
+
+def path(argument: str, value: Any, where: str = "") -> str:
+    """A file or directory argument as a str, with `~` expanded to the user's home.
+
+    Example:
+      >>> import os
+      >>> path("logdir", "~/runs") == os.path.join(os.path.expanduser("~"), "runs")
+      True
+      >>> path("directory", "")
+      Traceback (most recent call last):
+      ...
+      ValueError: directory is empty; pass a path such as directory='runs/directory'
+
+    Raises:
+      TypeError: `value` is not a str or an `os.PathLike`.
+      ValueError: `value` is empty (it would write into the working directory).
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}{argument} must be a str or a pathlib.Path, got {type(value).__name__}"
+        )
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        raise ValueError(
+            f"{where}{argument} is empty; pass a path such as {argument}='runs/{argument}'"
+        )
+    return os.path.expanduser(text)

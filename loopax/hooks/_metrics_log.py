@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from .. import _validate
 from ..loop import Loop, Priority
 from ..trainer import Trainer
 from ._points import PointsFile, format_from_path, points_of
@@ -80,7 +81,7 @@ def metrics_log(
     Raises:
       ValueError: `every_n_steps` is not a positive int or `format` is unknown.
     """
-    path = os.fspath(path)
+    path = _validate.path("path", path, "metrics_log: ")
     log = MetricsLog(path, format_from_path(path, format), loop.trainer)
     write_metrics(
         loop,

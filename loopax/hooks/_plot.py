@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import _validate
 from ..loop import Loop, Priority
 from ..trainer import Trainer
 from ._evaluate import EVALUATED_DATASETS, check_datasets
@@ -241,7 +242,7 @@ def plot(
     schedule = Exponential(start_step, factor)
     if render:
         _require_matplotlib()
-    directory = os.fspath(directory)
+    directory = _validate.path("directory", directory, "plot: ")
     plotter = Plotter(directory, loop.trainer, render)
     name = f"plot({directory})"
     if eval_datasets:

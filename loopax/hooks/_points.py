@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .. import _validate
 from ..trainer import Trainer
 from ._metric_info import describe_key
 
@@ -69,7 +70,7 @@ class PointsFile:
     file_format: str
 
     def __init__(self, path: str, file_format: str):
-        self.path = os.fspath(path)
+        self.path = _validate.path("path", path)
         self.file_format = format_from_path(self.path, file_format)
 
     def read(self) -> list[Point]:

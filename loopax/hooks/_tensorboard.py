@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _validate
 from .._validate import positive_int
 from ..loop import Loop, Priority
 from ..trainer import Trainer
@@ -142,7 +143,7 @@ class TensorBoardWriter(MetricWriter):
     def __init__(
         self, logdir: str | os.PathLike[str], *, flush_seconds: float = 10.0, max_pending: int = 64
     ):
-        self.logdir = os.fspath(logdir)
+        self.logdir = _validate.path("logdir", logdir)
         self._flush_seconds = flush_seconds
         self._max_pending = positive_int("max_pending", max_pending)
         self._outbox: list[tuple[str, int, Any]] = []
@@ -345,7 +346,7 @@ def tensorboard(
       ValueError: `every_n_steps` or `histograms_every_n_steps` is not a positive int, or
         `max_pending` < 1.
     """
-    logdir = os.fspath(logdir)
+    logdir = _validate.path("logdir", logdir, "tensorboard: ")
     writer = TensorBoardWriter(logdir, flush_seconds=flush_seconds, max_pending=max_pending)
     histograms = None if histograms_every_n_steps is None else EveryNSteps(histograms_every_n_steps)
     name = f"tensorboard({logdir})"

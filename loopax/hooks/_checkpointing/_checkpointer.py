@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from ..._validate import optional_positive_int, positive_int
+from ... import _validate
 from ...loop import Loop, NonFiniteLossError
 from ...loop._internal import first_non_finite
 from ...trainer import Trainer
@@ -94,13 +94,13 @@ class Checkpointer:
         self._ocp = ocp
         self.loop = loop
         self.trainer = loop.trainer
-        self.keep = optional_positive_int("keep", keep)
-        self.keep_best = positive_int("keep_best", keep_best)
-        self.keep_period = optional_positive_int("keep_period", keep_period)
+        self.keep = _validate.optional_positive_int("keep", keep)
+        self.keep_best = _validate.positive_int("keep_best", keep_best)
+        self.keep_period = _validate.optional_positive_int("keep_period", keep_period)
         _check_best_metric(best_metric, best_mode, self.trainer)
         self.best_metric = best_metric
         self.best_mode = best_mode
-        self.directory = Path(directory).expanduser().absolute()
+        self.directory = Path(_validate.path("directory", directory, "checkpoint: ")).absolute()
         _check_directory(self.directory)
         leftovers = _incomplete_saves(self.directory)
         self.restored_step: int | None = None
