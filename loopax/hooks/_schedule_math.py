@@ -68,16 +68,6 @@ def n_times_next(n: int, steps_done: int, total_steps: int | None) -> int | None
     return -(-i * total_steps // n)
 
 
-def n_times_points(n: int, total_steps: int) -> list[int]:
-    """The `steps_done` values at which a run of `total_steps` steps fires, ascending.
-
-    Example:
-      >>> n_times_points(3, 10)
-      [4, 7, 10]
-    """
-    return sorted({-(-i * total_steps // n) for i in range(1, n + 1)} - {0})
-
-
 def exponential_grid(start_step: int, factor: float) -> Iterator[tuple[int, int]]:
     """The absolute grid whose gaps grow by `factor`, endless, as (point, next gap) pairs.
 

@@ -24,9 +24,14 @@ from loopax.hooks._schedule_math import (
     every_n_next,
     exponential_grid,
     n_times_next,
-    n_times_points,
     round_half_away_from_zero,
 )
+
+
+def n_times_points(n, total_steps):
+    """The reference: the `steps_done` at which a run of `total_steps` steps fires n times,
+    at ceil(i * total / n) for i = 1..n."""
+    return sorted({-(-i * total_steps // n) for i in range(1, n + 1)} - {0})
 
 
 def run_info(start_step=0, end_step=-1, loop_step=0, epoch=0):

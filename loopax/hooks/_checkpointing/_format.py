@@ -12,12 +12,13 @@ average, then the compiled train metrics in the trainer's order). Version 1 is s
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ... import _validate
 
 FORMAT = "loopax.checkpoint"
 VERSION = 2
@@ -83,14 +84,14 @@ def make_bundle(
         "best_metric": best_metric,
         "saved_at": time.time(),
     }
-    try:
-        json.dumps(bundle)
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"the checkpoint of step {step} must be JSON: a dataset's get_state() or a "
-            f"hook's get_state() returned something else ({err}); return ints, floats, "
+    _validate.json_value(
+        bundle,
+        lambda err: (
+            f"the checkpoint of step {step} must be JSON: a dataset's get_state() or "
+            f"a hook's get_state() returned something else ({err}); return ints, floats, "
             "strings, lists and dicts"
-        ) from err
+        ),
+    )
     return bundle
 
 
