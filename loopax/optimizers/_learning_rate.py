@@ -71,6 +71,21 @@ def get_learning_rate(opt_state: Any) -> jax.Array | None:
     return states[0].hyperparams[_LEARNING_RATE]
 
 
+def check_not_schedule(value: Any) -> None:
+    """Refuses a schedule where a learning rate *value* is set at run time.
+
+    Raises:
+      TypeError: `value` is callable (a schedule or a schedule factory).
+    """
+    if callable(value):
+        raise TypeError(
+            f"set_learning_rate takes a number (the new rate), got the schedule {value!r}. "
+            "A schedule is fixed when the optimizer is built: build it with the schedule, "
+            "e.g. loopax.optimizers.adam(learning_rate=loopax.optimizers.cosine_decay(1e-3, "
+            "1000)), or set a number here."
+        )
+
+
 def set_learning_rate(opt_state: Any, value: Any) -> Any:
     """Returns a copy of ``opt_state`` with its injected learning rate replaced by ``value``.
 
@@ -87,6 +102,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         A new optimizer state of the same pytree structure; ``opt_state`` is unchanged.
 
     Raises:
+        TypeError: ``value`` is a schedule (a function), not a number.
         ValueError: if ``value`` is not a scalar, if the optimizer has no injectable
             learning rate (build it with ``loopax.optimizers`` or
             ``optax.inject_hyperparams``), or if a schedule drives the learning rate (the
@@ -99,6 +115,7 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         >>> float(get_learning_rate(opt_state))
         0.125
     """
+    check_not_schedule(value)
     if np.ndim(value) != 0:
         raise ValueError(
             f"set_learning_rate: the learning rate must be a scalar, got shape {np.shape(value)}."

@@ -17,6 +17,7 @@ None (the default) for no clipping, a non-positive threshold raises ``ValueError
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +31,39 @@ from ._by_name import build_by_name
 LearningRate = float | optax.Schedule
 
 
+def _uncalled_factory(value: Any) -> bool:
+    """Whether `value` is a schedule *factory* (e.g. `cosine_decay`) rather than a schedule.
+
+    A schedule takes the step count alone; a factory is a module-level function of optax's
+    or loopax's schedules, or any function that needs more than one argument.
+    """
+    module = getattr(value, "__module__", None) or ""
+    qualname = getattr(value, "__qualname__", "") or ""
+    if module.startswith(("optax.schedules", "optax._src.schedule", "loopax.optimizers")) and (
+        "<locals>" not in qualname and "." not in qualname
+    ):
+        return True
+    try:
+        parameters = inspect.signature(value).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in parameters
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(required) > 1
+
+
 def _check_learning_rate(optimizer: str, learning_rate: Any) -> None:
     if callable(learning_rate):
+        if _uncalled_factory(learning_rate):
+            name = getattr(learning_rate, "__name__", repr(learning_rate))
+            raise TypeError(
+                f"{optimizer}: learning_rate={name} is a schedule factory, not a schedule: "
+                f"call it with its arguments, e.g. learning_rate={name}(1e-3, 1000) for "
+                "cosine_decay (a schedule is a function of the step count alone)."
+            )
         return
     if isinstance(learning_rate, bool) or not (
         isinstance(learning_rate, numbers.Real)

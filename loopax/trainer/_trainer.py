@@ -12,6 +12,7 @@ import optax
 from .._validate import positive_int
 from ..data._datasets import Dataset
 from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
+from ..optimizers._learning_rate import check_not_schedule
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
@@ -328,10 +329,12 @@ class Trainer:
         """Sets the optimizer's learning rate for the next steps, without recompiling.
 
         Raises:
+          TypeError: `value` is a schedule (build the optimizer with it instead).
           RuntimeError: before the first step (the optimizer state does not exist yet).
           ValueError: the optimizer has no injectable learning rate, or a schedule drives
             it (see `loopax.optimizers.set_learning_rate`).
         """
+        check_not_schedule(value)
         self._placed.set_learning_rate(value)
 
     def nnx_module(self) -> Any:

@@ -1,11 +1,13 @@
 """Tests for get_learning_rate / set_learning_rate on loopax and optax optimizer states."""
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import loopax
 from loopax import optimizers
 from loopax.testing import count_compilations
 
@@ -142,3 +144,40 @@ def test_set_learning_rate_keeps_committed_placement():
     with count_compilations() as after_set:
         params, opt_state = step(params, opt_state, grads)
     assert (first_step.count, after_set.count) == (1, 0)
+
+
+# -- learning-rate mix-ups (issue 22 item 6) ----------------------------------------------
+
+
+@pytest.mark.parametrize("factory", [optimizers.cosine_decay, optimizers.warmup_cosine])
+def test_an_uncalled_schedule_factory_is_refused_at_the_call(factory):
+    name = factory.__name__
+    with pytest.raises(TypeError, match=rf"learning_rate={name} is a schedule factory.*call it"):
+        optimizers.adam(learning_rate=factory)
+
+
+def test_an_uncalled_optax_factory_is_refused_and_a_schedule_is_accepted():
+    with pytest.raises(TypeError, match="cosine_decay_schedule is a schedule factory"):
+        optimizers.sgd(learning_rate=optax.cosine_decay_schedule)
+    optimizers.sgd(learning_rate=optax.cosine_decay_schedule(0.1, 10))
+    optimizers.sgd(learning_rate=optimizers.cosine_decay(0.1, 10))
+    optimizers.sgd(learning_rate=lambda count: 0.1 / (1 + count))
+
+
+def test_set_learning_rate_refuses_a_schedule_naming_the_fix():
+    trainer = loopax.Trainer(
+        lambda ctx, spec, inputs: flax.linen.Dense(1)(inputs[0]),
+        loopax.losses.mean_squared_error,
+        optimizers.adam(1e-3),
+    )
+    schedule = optimizers.cosine_decay(1e-3, 1000)
+    with pytest.raises(TypeError, match=r"takes a number.*build it with the schedule"):
+        trainer.set_learning_rate(schedule)
+    x = np.ones((4, 2), np.float32)
+    trainer.train_step(None, [x], [x[:, :1]])
+    with pytest.raises(TypeError, match="takes a number"):
+        trainer.set_learning_rate(schedule)
+    with pytest.raises(TypeError, match="takes a number"):
+        optimizers.set_learning_rate(trainer.state.opt_state, schedule)
+    trainer.set_learning_rate(5e-4)
+    assert float(trainer.learning_rate_array()) == pytest.approx(5e-4)
