@@ -68,3 +68,9 @@ __all__ = [
     "optimizers",
     "testing",
 ]
+
+# Public errors show where users import them from (`loopax.HookError: ...` in a traceback),
+# not the private module that defines them.
+for _error in (HookError, NonFiniteLossError):
+    _error.__module__ = __name__
+del _error

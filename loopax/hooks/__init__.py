@@ -87,3 +87,8 @@ __all__ = [
     "tensorboard",
     "write_metrics",
 ]
+
+# Public errors show where users import them from (`loopax.hooks.BackgroundSaveError: ...`).
+for _error in (BackgroundSaveError, DamagedCheckpointError, NoGoodCheckpointError):
+    _error.__module__ = __name__
+del _error

@@ -24,3 +24,5 @@ __all__ = [
     "free_port",
     "multiprocess",
 ]
+
+MultiprocessError.__module__ = __name__  # shown as loopax.testing.MultiprocessError

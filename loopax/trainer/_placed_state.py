@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..optimizers._learning_rate import (
+    check_not_schedule,
     constant_learning_rate,
     get_learning_rate,
     set_learning_rate,
@@ -173,6 +174,7 @@ class PlacedState:
 
     def set_learning_rate(self, value: float) -> None:
         """Sets the optimizer's learning rate; see `Trainer.set_learning_rate`."""
+        check_not_schedule(value)  # before "no state yet": a schedule is never right here
         state = self.state
         if state is None:
             raise RuntimeError(

@@ -12,7 +12,6 @@ import optax
 from .._validate import positive_int
 from ..data._datasets import Dataset
 from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
-from ..optimizers._learning_rate import check_not_schedule
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
@@ -334,7 +333,6 @@ class Trainer:
           ValueError: the optimizer has no injectable learning rate, or a schedule drives
             it (see `loopax.optimizers.set_learning_rate`).
         """
-        check_not_schedule(value)
         self._placed.set_learning_rate(value)
 
     def nnx_module(self) -> Any:
