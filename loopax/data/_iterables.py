@@ -300,6 +300,14 @@ def as_dataset(data: Any, name: str) -> Dataset:
         hint = "; for in-memory arrays use loopax.ArrayDataset(inputs, labels, batch_size)"
     elif isinstance(data, Mapping):
         hint = "; for a single batch pass [batch]"
+    elif isinstance(data, (tuple, list)) and len(data) in (2, 3) and all(map(_is_array, data)):
+        # Whole arrays, e.g. (x_train, y_train): no element is a batch.
+        raise TypeError(
+            f"got a {type(data).__name__} of {len(data)} arrays, as (inputs, labels) arrays "
+            "look; a dataset is an iterable of batches, each (inputs, labels). For in-memory "
+            "arrays use loopax.ArrayDataset(inputs, labels, batch_size), or [(inputs, labels)] "
+            "for one batch"
+        )
     elif isinstance(data, Iterator):
         return IterableDataset(ReadOnce(data), name=name)
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):

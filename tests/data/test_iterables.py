@@ -386,6 +386,22 @@ def test_what_is_neither_a_dataset_nor_an_iterable_of_batches(trainer, data, hin
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize("wrap", [tuple, list])
+def test_whole_arrays_given_as_a_dataset_name_array_dataset(trainer, wrap):
+    x, y = np.ones((8, 3), np.float32), np.ones((8, 1), np.float32)
+    loop = loopax.Loop(trainer)
+    for run in (loop.run_steps, loop.run_epochs, lambda data, _: trainer.evaluate(data)):
+        with pytest.raises(
+            TypeError,
+            match=rf"got a {wrap.__name__} of 2 arrays, as \(inputs, labels\) arrays look.*"
+            r"loopax.ArrayDataset\(inputs, labels, batch_size\)",
+        ):
+            run(wrap([x, y]), 1)
+    assert trainer.global_step == 0
+    loop.run_steps([(x, y)], 1)  # one batch, as the message says
+    assert trainer.global_step == 1
+
+
 def test_iterable_dataset_refuses_an_iterator_and_what_is_not_iterable():
     with pytest.raises(
         TypeError,
