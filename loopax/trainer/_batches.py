@@ -60,6 +60,25 @@ def dropped_examples_warning(dataset: Any) -> str | None:
     )
 
 
+def _check_dtypes(graph: str, spec: Any, inputs: list, labels: list) -> None:
+    """Refuses strings and Python objects, which JAX cannot put on a device."""
+    for what, arrays in (("inputs", inputs), ("labels", labels)):
+        for position, array in enumerate(arrays):
+            kind = np.dtype(array.dtype).kind
+            if kind in "USO":
+                fix = (
+                    "map them to integer class ids first, e.g. "
+                    "`classes, ids = np.unique(labels, return_inverse=True)`"
+                    if what == "labels"
+                    else "convert them to numbers first (e.g. a vocabulary lookup)"
+                )
+                raise TypeError(
+                    f"{what}[{position}] of the {graph} batch for spec {spec!r} has dtype "
+                    f"{array.dtype} ({'strings' if kind in 'US' else 'Python objects'}), which "
+                    f"JAX cannot put on a device; {fix}"
+                )
+
+
 def validate_batch(
     graph: str,
     spec: Any,
@@ -96,6 +115,7 @@ def validate_batch(
             f"spec {spec!r} was first used with {known[0]} inputs and {known[1]} labels, now "
             f"with {counts[0]} inputs and {counts[1]} labels; give each arrangement its own spec"
         )
+    _check_dtypes(graph, spec, inputs, labels)
     if leading_axes:
         check_leading_axes(spec, inputs, labels, leading_axes, axis_limits or {})
     axis = len(leading_axes)

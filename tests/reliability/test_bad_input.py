@@ -271,3 +271,28 @@ def test_a_trainer_with_an_optimizer_that_is_not_optax(optimizer, culprit):
         rf"{culprit}; e.g. optax.adam\(1e-3\)",
     ):
         loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optimizer)
+
+
+@pytest.mark.parametrize(
+    ("labels", "shown"),
+    [
+        (np.array(["cat", "dog"] * 4), r"dtype <U3 \(strings\)"),
+        (np.array(["cat", "dog"] * 4, dtype=object), r"dtype object \(Python objects\)"),
+    ],
+)
+def test_string_labels_are_named_with_their_dtype_and_the_fix(labels, shown):
+    import flax.linen as nn
+
+    trainer = loopax.Trainer(
+        lambda ctx, spec, inputs: nn.Dense(2)(inputs[0]),
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.1),
+    )
+    x = np.ones((8, 2), np.float32)
+    message = rf"labels\[0\] of the train batch .*{shown}.*np.unique\(labels, return_inverse=True\)"
+    for data in (loopax.ArrayDataset(x, labels, 4), [(x, labels)]):
+        with pytest.raises(TypeError, match=message):
+            loopax.Loop(trainer).run_steps(data, 1)
+    with pytest.raises(TypeError, match=rf"inputs\[0\] of the eval batch .*{shown}.*numbers"):
+        trainer.evaluate([(labels[:, None], x)])
+    assert trainer.global_step == 0
