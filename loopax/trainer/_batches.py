@@ -132,6 +132,12 @@ def validate_batch(
             f"{[a.shape for a in labels]}); inputs and labels need the same first dimension"
         )
     batch = sizes.pop()
+    if batch == 0:
+        raise ValueError(
+            f"the {graph} batch for spec {spec!r} is empty (input shapes "
+            f"{[a.shape for a in inputs]}): a dataset must not yield a batch of 0 examples; "
+            "check how the batches are sliced (e.g. a last batch past the end of the data)"
+        )
     if batch % local_devices and graph != "eval":
         raise ValueError(
             f"batch size {batch} is not divisible by the {local_devices} devices; use a "

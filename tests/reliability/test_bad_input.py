@@ -296,3 +296,19 @@ def test_string_labels_are_named_with_their_dtype_and_the_fix(labels, shown):
     with pytest.raises(TypeError, match=rf"inputs\[0\] of the eval batch .*{shown}.*numbers"):
         trainer.evaluate([(labels[:, None], x)])
     assert trainer.global_step == 0
+
+
+def test_an_empty_batch_is_named_not_blamed_on_the_learning_rate():
+    import flax.linen as nn
+
+    trainer = loopax.Trainer(
+        lambda ctx, spec, inputs: nn.Dense(1)(inputs[0]),
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.1),
+    )
+    empty = (np.ones((0, 2), np.float32), np.ones((0, 1), np.float32))
+    with pytest.raises(ValueError, match=r"the train batch for spec None is empty.*0 examples"):
+        loopax.Loop(trainer).run_steps([empty], 1)
+    with pytest.raises(ValueError, match=r"the eval batch for spec None is empty"):
+        trainer.evaluate([empty])
+    assert trainer.global_step == 0
