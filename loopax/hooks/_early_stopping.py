@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from .._validate import non_negative_int
 from ..loop import Loop, Priority
 from ..trainer import Trainer
+from ._metric_info import is_writer_process
 from ._monitor import MetricMonitor, check_number
 from ._train_state import state_of
 
@@ -69,8 +70,12 @@ class EarlyStopping(MetricMonitor):
         patience: int,
         baseline: float | None,
         restore_best: bool,
+        verbose: bool = True,
     ):
         super().__init__(loop, "early_stopping", monitor, mode, min_delta)
+        if not isinstance(verbose, bool):
+            raise ValueError(f"early_stopping: verbose must be True or False, got {verbose!r}")
+        self.verbose = verbose
         self.patience = non_negative_int("patience", patience, "early_stopping: ")
         self.baseline = (
             None
@@ -143,8 +148,14 @@ class EarlyStopping(MetricMonitor):
                 f"early stopping: {self.monitor} {what}{delta} in {self.wait} checks; "
                 f"stopped at step {step}"
             )
-            _logger.info("%s", self.stop_reason)
+            self._say(self.stop_reason)
             loop.request_stop(self.stop_reason)
+
+    def _say(self, line: str) -> None:
+        """Logs `line`; with `verbose`, also prints it once (on process 0), as Keras does."""
+        _logger.info("%s", line)
+        if self.verbose and is_writer_process():
+            print(line, flush=True)
 
     def _on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
@@ -209,7 +220,7 @@ class EarlyStopping(MetricMonitor):
         params, model_state = self._best_copy
         trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
         self.restored_step = self.best_step
-        _logger.info("%s: restored the parameters of step %d", self.name, self.best_step)
+        self._say(f"{self.name}: restored the parameters of step {self.best_step}")
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON): best, best step, wait, stop."""
@@ -241,6 +252,7 @@ def early_stopping(
     patience: int = 5,
     baseline: float | None = None,
     restore_best: bool = True,
+    verbose: bool = True,
 ) -> EarlyStopping:
     """Stops training once `monitor` has stopped improving (Keras's `EarlyStopping`).
 
@@ -280,8 +292,10 @@ def early_stopping(
     beat the baseline even while the value still improves (as Keras documents it; Keras's
     code waits for a check that does not improve); the best parameters are restored
     whether or not the run stopped early (Keras 2 restored them only after an early stop,
-    keras-team/keras#12511); there is no `start_from_epoch` or `verbose` (the stop's reason
-    is in `loop.stop_reason` and logged). As in Keras, `patience=0` acts as 1.
+    keras-team/keras#12511); there is no `start_from_epoch`. With `verbose` (the default)
+    the stop prints one line, as Keras's `verbose=1` does: the step, the monitor and the
+    best value with its step (also in `loop.stop_reason` and the log), and a restore of the
+    best parameters prints another. As in Keras, `patience=0` acts as 1.
 
     Args:
       loop: the `loopax.Loop`.
@@ -292,6 +306,7 @@ def early_stopping(
       patience: how many checks without improvement end the training (>= 0).
       baseline: a value the monitor must beat (by `min_delta`) to reset the wait.
       restore_best: leave the trainer with the best parameters at the end of each run.
+      verbose: print the stop (and the restore) in one line each, on process 0.
 
     Returns:
       The `EarlyStopping` (`best`, `best_step`, `wait`, `stopped_step`, `restored_step`,
@@ -323,4 +338,5 @@ def early_stopping(
         patience=patience,
         baseline=baseline,
         restore_best=restore_best,
+        verbose=verbose,
     )

@@ -124,6 +124,20 @@ def test_stops_after_patience_checks_without_improvement_and_restores_the_best(t
     assert_trees_equal(states[4].params, stopper.best_params)
 
 
+def test_the_stop_and_the_restore_print_one_line_each_unless_quiet(trainer, capsys):
+    scripted_run(trainer, [1.0, 0.5, 0.75, 0.5, 0.625], patience=3)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "early stopping: eval/test/mean_loss did not improve on 0.5 (step 4) in 3 checks; "
+        "stopped at step 10",
+        "early_stopping(eval/test/mean_loss): restored the parameters of step 4",
+    ]
+    scripted_run(trainer, [1.0, 0.5, 0.75, 0.5, 0.625], patience=3, verbose=False)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="verbose must be True or False, got 1"):
+        scripted_run(trainer, [1.0], verbose=1)
+
+
 def test_restore_best_false_keeps_the_last_parameters(trainer):
     loop, stopper, states = scripted_run(
         trainer, [1.0, 0.5, 0.75, 0.5, 0.625], patience=3, restore_best=False
