@@ -51,6 +51,7 @@ def metrics_log(
     every_n_epochs: int | None = None,
     format: str | None = None,  # noqa: A002 - the natural name, as in matplotlib's savefig
     call_on_end: bool = True,
+    learning_rate: bool = True,
     priority: int = Priority.LOG,
 ) -> MetricsLog:
     """Appends train and eval metric points to a CSV or JSON-lines file.
@@ -59,7 +60,8 @@ def metrics_log(
     loopax writer, monitor and `loop.history` uses (`train/loss`, `eval/test/Accuracy`),
     `step` the global step, and non-finite values are skipped; so `pandas.read_csv(path)` (or
     `pandas.read_json(path, lines=True)`) then `.pivot_table(index="step", columns="metric",
-    values="value")` gives one column per key. Train metrics are written every
+    values="value")` gives one column per key. Train metrics (with `train/learning_rate` when
+    the optimizer exposes it, as Keras's CSVLogger logs it) are written every
     `every_n_steps` (and at the end of each run); every evaluation when it is published.
     Resuming drops the points of the steps that run again, and each point is in the file
     before the checkpoint that covers it commits. Only process 0 writes.
@@ -73,6 +75,7 @@ def metrics_log(
         Keras's CSVLogger does each epoch).
       format: `"csv"`, `"jsonl"`, or None to pick from the suffix.
       call_on_end: also write the last step's train metrics at the end of each run.
+      learning_rate: write `train/learning_rate` with the train metrics.
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).
 
     Returns:
@@ -89,6 +92,7 @@ def metrics_log(
         every_n_steps=every_n_steps,
         when=None if every_n_epochs is None else EveryNEpochs(every_n_epochs),
         call_on_end=call_on_end,
+        learning_rate=learning_rate,
         name=f"metrics_log({log.path})",
         priority=priority,
     )

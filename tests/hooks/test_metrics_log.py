@@ -33,7 +33,10 @@ def test_csv_with_train_and_eval_points(tmp_path):
         "train/loss",
         "train/moving_average_loss",
         "train/Moving Average Accuracy",
+        "train/learning_rate",  # as Keras's CSVLogger logs `learning_rate`
     }
+    rates = [float(r["value"]) for r in rows if r["metric"] == "train/learning_rate"]
+    assert rates == pytest.approx([float(trainer.learning_rate_array())] * 4)
     eval_rows = [r for r in rows if r["metric"].startswith("eval/test/")]
     assert [(r["metric"], r["short"], r["type"], int(r["step"])) for r in eval_rows] == [
         ("eval/test/mean_loss", "#loss", "loss", 3),
@@ -42,10 +45,19 @@ def test_csv_with_train_and_eval_points(tmp_path):
         ("eval/test/Accuracy", "acc", "accuracy", 6),
     ]
     assert float(eval_rows[-1]["value"]) == pytest.approx(loop.history["eval/test/Accuracy"][-1][1])
-    # The same keys and values as the loop's history.
+    # The same keys and values as the loop's history (which keeps no learning rate).
     for row in rows:
-        assert (int(row["step"]), pytest.approx(float(row["value"]))) in loop.history[row["metric"]]
-    assert len(rows) == 4 * 3 + 4
+        if row["metric"] != "train/learning_rate":
+            history = loop.history[row["metric"]]
+            assert (int(row["step"]), pytest.approx(float(row["value"]))) in history
+    assert len(rows) == 4 * 4 + 4
+
+
+def test_the_learning_rate_can_be_left_out(tmp_path):
+    loop = loopax.Loop(make_trainer())
+    hooks.metrics_log(loop, tmp_path / "m.csv", every_n_steps=2, learning_rate=False)
+    loop.run_steps(make_data(loop_forever=True), 4)
+    assert "train/learning_rate" not in {r["metric"] for r in read_csv(tmp_path / "m.csv")}
 
 
 def test_json_lines_and_resume(tmp_path):
