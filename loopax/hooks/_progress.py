@@ -160,22 +160,37 @@ class ProgressBar:
 
     def status(self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None) -> str:
         """The text after the bar: `step k of N [r steps/s, ETA t] metrics`."""
+        return self._statuses(loop, steps_done, host_metrics)[0]
+
+    def _statuses(
+        self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None
+    ) -> list[str]:
+        """The status text, longest first, then shorter forms that cut no value.
+
+        The full `step k of N [r steps/s, ETA t] metrics`, then `k/N r/s t metrics`, then
+        `k/N metrics`, then `k/N` with the first metrics dropped one by one.
+        """
         total = "?" if loop.end_step < 0 else str(loop.end_step)
         rate = self.throughput.steps_per_second()
-        rate_text = "? steps/s" if rate is None else f"{rate:.3g} steps/s"
+        rate_text = "?" if rate is None else f"{rate:.3g}"
         if loop.end_step < 0:
-            eta_text = "ETA ?"
+            eta_text = "?"
         else:
             eta = self.throughput.eta_seconds(loop.end_step - steps_done)
-            eta_text = "ETA ?" if eta is None else f"ETA {_format_interval(eta)}"
-        text = f"step {steps_done} of {total} [{rate_text}, {eta_text}]"
-        if host_metrics:
-            text += " " + " ".join(
-                f"{info.short_name}={info.pretty_print(host_metrics[info.key])}"
-                for info in self._infos
-                if info.key in host_metrics
-            )
-        return text
+            eta_text = "?" if eta is None else _format_interval(eta)
+        metrics = [
+            f"{info.short_name}={info.pretty_print(host_metrics[info.key])}"
+            for info in self._infos
+            if host_metrics and info.key in host_metrics
+        ]
+        shown = "".join(" " + m for m in metrics)
+        short = f"{steps_done}/{total}"
+        texts = [
+            f"step {steps_done} of {total} [{rate_text} steps/s, ETA {eta_text}]{shown}",
+            f"{short} {rate_text}/s {eta_text}{shown}",
+        ]
+        texts += [short + "".join(" " + m for m in metrics[i:]) for i in range(len(metrics) + 1)]
+        return texts
 
     def _width(self) -> int:
         columns = getattr(self.bar, "ncols", None)
@@ -183,16 +198,22 @@ class ProgressBar:
             columns = shutil.get_terminal_size((80, 24)).columns
         return int(columns)
 
-    def _fit(self, known_total: bool, status: str) -> str:
-        """The bar format for the width: the bar goes before any metric value is cut."""
-        if not known_total:
-            return _UNKNOWN_TOTAL_FORMAT
+    def _fit(self, known_total: bool, statuses: list[str]) -> tuple[str, str]:
+        """The bar format and status for the width; no value is ever cut.
+
+        The bar goes first, then the rate and ETA shorten, then whole metrics drop.
+        """
         width = self._width()
-        if len("100%|| ") + _MIN_BAR + len(status) <= width:
-            return _KNOWN_TOTAL_FORMAT
-        if len("100% ") + len(status) <= width:
-            return _NO_BAR_FORMAT
-        return _UNKNOWN_TOTAL_FORMAT
+        full = statuses[0]
+        if known_total:
+            if len("100%|| ") + _MIN_BAR + len(full) <= width:
+                return _KNOWN_TOTAL_FORMAT, full
+            if len("100% ") + len(full) <= width:
+                return _NO_BAR_FORMAT, full
+        for status in statuses:
+            if len(status) <= width:
+                return _UNKNOWN_TOTAL_FORMAT, status
+        return _UNKNOWN_TOTAL_FORMAT, statuses[-1]
 
     def _refresh(self, loop: Loop, steps_done: int, display: bool = True) -> None:
         bar = self.bar
@@ -202,8 +223,8 @@ class ProgressBar:
             bar.total = loop.end_step if loop.end_step >= 0 else None
         host_metrics = loop.host_metrics() if self.show_metrics else None
         bar.n = steps_done
-        bar.status = self.status(loop, steps_done, host_metrics)
-        bar.bar_format = self._fit(loop.end_step >= 0, bar.status)
+        statuses = self._statuses(loop, steps_done, host_metrics)
+        bar.bar_format, bar.status = self._fit(loop.end_step >= 0, statuses)
         if display:
             bar.refresh()
 

@@ -90,7 +90,7 @@ def terminal_lines(script, columns=200):
     assert "DONE" in output
     # tqdm redraws its line with carriage returns (and ANSI codes in a terminal).
     lines = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", output).replace("\r", "\n").split("\n")
-    return [line.rstrip() for line in lines if "step " in line]
+    return [line.rstrip() for line in lines if "step " in line or re.match(r"\d+/\S+ ", line)]
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,16 @@ def test_at_80_columns_the_bar_goes_before_any_metric_value_is_cut():
         # Every metric is there with its whole value, and no bar took their room.
         assert re.search(r"batch=\S+ ~loss=\S+ ~acc=\d+\.\d\d%$", line), line
         assert "|" not in line
+    # Narrower: the rate and ETA shorten, then whole metrics go, never part of a value.
+    for columns in (60, 28):
+        lines = terminal_lines(NARROW_SCRIPT.format(helpers=HELPERS, metrics=True), columns)
+        status = [line for line in lines if re.match(r"\d+/20 ", line)]
+        assert len(status) >= 20, lines
+        for line in status:
+            assert len(line) <= columns, line
+            assert re.search(r" ~acc=\d+\.\d\d%$", line), line
+        # At 60 columns all three metrics fit; at 28 some lines had to drop one.
+        assert all(" ~loss=" in line for line in status) == (columns == 60)
     # With the metrics hidden there is room again, and the bar comes back.
     lines = terminal_lines(NARROW_SCRIPT.format(helpers=HELPERS, metrics=False), columns=80)
     last = [line for line in lines if "step 20 of 20" in line][-1]
