@@ -71,14 +71,6 @@ class NanGuard:
     def on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
         self.consecutive, self._last_skipped = 0, -2
-        if not self.rollback:
-            return
-        if self._checkpointer() is None:
-            raise ValueError(
-                "nan_guard(rollback=True) rolls back to the newest good checkpoint, but no "
-                "hooks.checkpoint is attached to this loop; attach one (e.g. "
-                "hooks.checkpoint(loop, dir, period_seconds=600)) or pass rollback=False"
-            )
 
     def on_skipped(self, loop: Loop, steps: list[int]) -> None:
         """The loop's non-finite handler: `steps` were skipped in the compiled step."""
@@ -107,6 +99,15 @@ class NanGuard:
                 first,
             )
         checkpointer = self._checkpointer()
+        if checkpointer is None:
+            raise NonFiniteLossError(
+                f"the loss or gradient was not finite for {streak}, and nan_guard has no "
+                "checkpoint to roll back to: no hooks.checkpoint is attached to this loop. "
+                "Attach one (e.g. hooks.checkpoint(loop, dir, period_seconds=600)) to roll "
+                "back, or pass rollback=False; then lower the learning rate, clip gradients, "
+                "or check the data",
+                first,
+            )
         rate = loop.trainer.learning_rate
         self._rolling_back = True
         try:
@@ -149,7 +150,9 @@ def nan_guard(
     Args:
       loop: the `loopax.Loop`.
       max_skips: consecutive skipped steps that trigger a rollback (or the stop).
-      rollback: roll back to the newest good checkpoint (needs `hooks.checkpoint`).
+      rollback: roll back to the newest good checkpoint of `hooks.checkpoint`. Attached
+        without one, nan_guard still skips bad steps; a streak that calls for a rollback
+        then stops the run with `NonFiniteLossError` naming the missing hook.
       lr_factor: multiplies the learning rate at each rollback (1.0 keeps it); needs an
         optimizer whose learning rate can change (`loopax.optimizers`, or
         `optax.inject_hyperparams`).
@@ -160,7 +163,7 @@ def nan_guard(
 
     Raises:
       ValueError: bad counts or factor; an optimizer whose learning rate cannot change with
-        `lr_factor != 1`. At the start of a run with `rollback=True`: no checkpoint hook.
+        `lr_factor != 1`.
     """
     max_skips = positive_int("max_skips", max_skips)
     max_rollbacks = positive_int("max_rollbacks", max_rollbacks)

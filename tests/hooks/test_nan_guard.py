@@ -135,11 +135,19 @@ def test_without_rollback_it_stops_after_max_skips(tmp_path):
     assert error.value.step == 10
 
 
-def test_rollback_needs_a_checkpoint_hook(tmp_path):
+def test_attached_alone_it_skips_and_stops_naming_the_missing_checkpoint_hook(tmp_path):
     loop = make_loop(tmp_path, checkpoint=False)
-    hooks.nan_guard(loop)
-    with pytest.raises(loopax.HookError, match="no hooks.checkpoint is attached"):
-        loop.run_steps(PoisonedDataset(), 5)
+    guard = hooks.nan_guard(loop, max_skips=3)
+    loop.run_steps(PoisonedDataset(bad={3, 4}), 8)  # two skips: no rollback is called for
+    assert guard.skipped_steps == [3, 4] and loop.trainer.global_step == 8
+    with pytest.raises(
+        loopax.NonFiniteLossError,
+        match=r"not finite for \d steps in a row \(steps 18 to.*no checkpoint to roll back "
+        r"to: no "
+        r"hooks.checkpoint is attached.*rollback=False",
+    ) as error:
+        loop.run_steps(PoisonedDataset(bad={10, 11, 12, 13}), 20)
+    assert error.value.step == 18  # the second run's batch 10, after 8 global steps
 
 
 def test_the_learning_rate_must_be_changeable_for_lr_factor(tmp_path):
