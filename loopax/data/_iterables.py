@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 import numpy as np
 
 from .. import _validate
-from ._datasets import Batch, Dataset, as_list
+from ._datasets import ArrayDataset, Batch, Dataset, as_list
 from ._device_data import check_trainer_devices
 
 if TYPE_CHECKING:
@@ -327,18 +327,36 @@ def evaluation_dataset(data: Any) -> Dataset:
     """What `Trainer.evaluate` reads.
 
     A `Dataset` as it is (evaluate resets it); an iterable or an `IterableDataset` as a new
-    `IterableDataset` over the same source from its start, named "eval" unless named, so that
-    evaluating never moves a training position.
+    `IterableDataset` over the same source from its start, named "eval" unless named; a
+    looping `ArrayDataset` (a training set) as one pass over its arrays, every example once
+    in order. So evaluating never moves a training position.
 
     Raises:
       TypeError: not a dataset or an iterable, or an iterator (it can be read only once).
       ValueError: the source repeats forever.
     """
     dataset = as_dataset(data, "eval")
+    if isinstance(dataset, ArrayDataset) and dataset.loop_forever:
+        return ArrayDataset(
+            dataset.inputs,
+            dataset.labels,
+            dataset.batch_size,
+            name=dataset.name,
+            shuffle=False,
+            drop_remainder=False,
+            spec=dataset.spec,
+        )
     if not isinstance(dataset, IterableDataset):
         return dataset
     dataset.check_passes("evaluate")
     return IterableDataset(dataset.source, name=dataset.name)
+
+
+def reads_a_copy(data: Any) -> bool:
+    """Whether `evaluation_dataset(data)` reads a copy, leaving `data`'s position alone."""
+    return isinstance(data, IterableDataset) or (
+        isinstance(data, ArrayDataset) and data.loop_forever
+    )
 
 
 def check_restartable(dataset: Dataset, reader: str) -> None:

@@ -12,7 +12,7 @@ import sys
 from typing import Any, TextIO
 
 from ..loop import Evaluation, Loop, Priority
-from ..loop._internal import dataset_name
+from ..loop._internal import dataset_name, reads_a_copy
 from ..trainer import Trainer
 from ._metric_info import eval_metric_infos, is_writer_process
 from ._schedules import EveryNEpochs, EveryNSteps, NTimes
@@ -23,14 +23,17 @@ from ._triggers import on_schedule
 EVALUATED_DATASETS = "evaluated_datasets"
 
 
-def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]:
+def check_datasets(
+    datasets: Any, argument: str = "datasets", *, unique: bool = True
+) -> tuple[Any, ...]:
     """Returns `datasets` as a tuple of datasets with unique names.
 
-    Accepts one dataset, or a list or tuple of them.
+    Accepts one dataset, or a list or tuple of them. With `unique=False` two may share a
+    name.
 
     Raises:
       TypeError: an element has no `yield_batch`/`reset`.
-      ValueError: a dataset has no name, or two share one.
+      ValueError: a dataset has no name, or (with `unique`) two share one.
     """
     # Only a list or a tuple holds several: anything else (a grain dataset too) is one.
     if not isinstance(datasets, (list, tuple)):
@@ -45,7 +48,7 @@ def check_datasets(datasets: Any, argument: str = "datasets") -> tuple[Any, ...]
                 "list of batches) its name with loopax.IterableDataset(batches, name='test')"
             )
         name = dataset_name(dataset)
-        if name in names:
+        if unique and name in names:
             raise ValueError(
                 f"two {argument} are named {name!r}; results are stored by dataset name, so give "
                 "each dataset a unique name"
@@ -187,26 +190,33 @@ def report_eval(
     r"""Evaluates each dataset and prints the results in GoMLX's format.
 
     Per dataset: `Results on <name>:` then one `\t<Name> (<short>): <value>` line per eval
-    metric (e.g. `\tMean Loss (#loss): 0.123`, `\tAccuracy (acc): 93.41%`); then the dataset
-    is reset. Every process evaluates; only process 0 prints.
+    metric (e.g. `\tMean Loss (#loss): 0.123`, `\tAccuracy (acc): 93.41%`). A looping
+    `ArrayDataset` (a training set) is evaluated over one pass, every example once, and an
+    iterable from its start, neither moving its training position; any other `Dataset` is
+    read to its end, then reset. Every process evaluates; only process 0 prints.
 
     Args:
       trainer: the `loopax.Trainer`.
-      *datasets: datasets with unique names.
+      *datasets: the datasets; two that share a name are shown and returned as
+        `<name>#<position>` (1-based, e.g. `array#1`, `array#2`).
       file: where to print (default `sys.stdout`).
 
     Returns:
       `{dataset name: {eval metric name: float}}`.
 
     Raises:
-      ValueError: datasets without unique names, or a dataset with no batch.
+      ValueError: a dataset with no batch.
     """
-    datasets = check_datasets(datasets)
+    datasets = check_datasets(datasets, unique=False)
+    names = [dataset_name(dataset) for dataset in datasets]
     all_results: dict[str, dict[str, float]] = {}
-    for dataset in datasets:
-        name = dataset_name(dataset)
+    for position, dataset in enumerate(datasets, start=1):
+        name = names[position - 1]
+        if names.count(name) > 1:  # e.g. two ArrayDatasets left with the default name
+            name = f"{name}#{position}"
         results = trainer.evaluate(dataset)
-        dataset.reset()
+        if not reads_a_copy(dataset):
+            dataset.reset()
         all_results[name] = results
         if is_writer_process():
             print(format_results(trainer, name, results), file=file or sys.stdout, flush=True)

@@ -7,10 +7,19 @@ change to one of these helpers shows whom it touches. Public names (`Loop`, `Pri
 """
 
 from ..data._datasets import dataset_name as dataset_name
+from ..data._iterables import reads_a_copy as reads_a_copy
 from ..trainer._state import first_non_finite as first_non_finite
 from ..trainer._state import tree_paths as tree_paths
 from ._history import train_key as train_key
 from ._hook import NEVER as NEVER
 from ._hook import AnyOf as AnyOf
 
-__all__ = ["NEVER", "AnyOf", "dataset_name", "first_non_finite", "train_key", "tree_paths"]
+__all__ = [
+    "NEVER",
+    "AnyOf",
+    "dataset_name",
+    "first_non_finite",
+    "reads_a_copy",
+    "train_key",
+    "tree_paths",
+]

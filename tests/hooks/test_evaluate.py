@@ -90,6 +90,43 @@ def test_report_eval_gomlx_format_and_resets_datasets():
     assert compiled == []
 
 
+def test_report_eval_reads_a_training_set_once_and_leaves_its_position():
+    trainer = make_trainer()
+    loop = loopax.Loop(trainer)
+    train = make_data("train", 3, loop_forever=True)  # 48 examples in batches of 16
+    loop.run_steps(train, 2)
+    position = train.get_state()
+    results = hooks.report_eval(trainer, train, file=io.StringIO())
+    assert train.get_state() == position  # training goes on where it was
+    # One pass, every example once, in order: the mean over all 48 examples.
+    by_hand = trainer.evaluate(make_data("train", 3, shuffle=False))
+    assert results["train"] == pytest.approx(by_hand)
+
+
+def test_report_eval_keeps_an_iterable_where_training_left_it():
+    trainer = make_trainer()
+    source = make_data("stream", 4, shuffle=False)
+    batches = [source.yield_batch()[1:] for _ in range(4)]
+    stream = loopax.IterableDataset(batches, name="stream")
+    loop = loopax.Loop(trainer)
+    loop.run_steps(stream, 2)
+    hooks.report_eval(trainer, stream, file=io.StringIO())
+    loop.run_steps(stream, 2)  # the last two batches: report_eval did not restart it
+    with pytest.raises(RuntimeError, match="reached the end of dataset 'stream' after 0 of 1"):
+        loop.run_steps(stream, 1)
+
+
+def test_report_eval_names_datasets_that_share_a_name_by_position():
+    trainer = make_trainer()
+    loopax.Loop(trainer).run_steps(make_data(loop_forever=True), 1)
+    first, second = make_data("array", 2), make_data("array", 2, seed=5)
+    out = io.StringIO()
+    results = hooks.report_eval(trainer, first, second, file=out)
+    assert list(results) == ["array#1", "array#2"]
+    assert "Results on array#1:" in out.getvalue() and "Results on array#2:" in out.getvalue()
+    assert results["array#1"] != results["array#2"]
+
+
 def test_evaluate_rejects_bad_configuration():
     loop = loopax.Loop(make_trainer())
     with pytest.raises(ValueError, match="no schedule"):

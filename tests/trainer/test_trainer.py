@@ -469,11 +469,27 @@ def test_evaluate_with_zero_batches_raises(eval_trainer):
         eval_trainer.evaluate(loopax.IterableDataset(lambda: iter([]), name="empty-set"))
 
 
-def test_evaluate_refuses_a_dataset_that_loops_forever(eval_trainer):
+def test_evaluate_reads_a_looping_array_dataset_once_and_refuses_other_endless_ones(eval_trainer):
     x, y = regression_batch(0)
-    endless = loopax.ArrayDataset(x, y, batch_size=4, name="endless", loop_forever=True)
-    with pytest.raises(ValueError, match="'endless' loops forever"):
-        eval_trainer.evaluate(endless)
+    endless = loopax.ArrayDataset(x, y, batch_size=3, name="endless", loop_forever=True)
+    endless.yield_batch()
+    position = endless.get_state()
+    once = loopax.ArrayDataset(x, y, 3, name="once", shuffle=False, drop_remainder=False)
+    # One pass over every example (the last batch short), its training position untouched.
+    assert eval_trainer.evaluate(endless) == pytest.approx(eval_trainer.evaluate(once))
+    assert endless.get_state() == position
+
+    class Endless:
+        name, loop_forever = "custom", True
+
+        def yield_batch(self):
+            return None, [x], [y]
+
+        def reset(self):
+            pass
+
+    with pytest.raises(ValueError, match="'custom' loops forever"):
+        eval_trainer.evaluate(Endless())
 
 
 def test_evaluate_names_a_dataset_that_raises(eval_trainer):
