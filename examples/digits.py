@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> float:
     hooks.tensorboard(loop, os.path.join(args.dir, "tensorboard"))
     hooks.metrics_log(loop, os.path.join(args.dir, "metrics.csv"))
     hooks.plot(loop, os.path.join(args.dir, "plots"))
-    loop.run_to_step(train, args.steps)
-    if loop.stop_reason:
-        print(loop.stop_reason)
+    loop.run_to_step(train, args.steps)  # early stopping prints its line if it stops
     checkpointer.wait()
     hooks.report_eval(trainer, train_eval, val, test)
     accuracy = trainer.evaluate(test)["Accuracy"]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import base64
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import numpy as np
 
-from .. import _validate
+from .. import _validate, _warnings
 from ._datasets import ArrayDataset, Batch, Dataset, as_list
 from ._device_data import check_trainer_devices
 
@@ -255,14 +254,12 @@ class IterableDataset:
             position = state["iterator"]
         iterator = self._current()
         if position is None:
-            warnings.warn(
+            _warnings.warn(
                 f"dataset {self.name!r} has no saved position: its iterator "
                 f"({type(iterator).__name__}) has no get_state()/set_state(), so it goes on "
                 "from where it is and its batches differ from an uninterrupted run; for an "
                 "exact resume feed a grain dataset, or a loopax Dataset with "
-                "get_state()/set_state()",
-                RuntimeWarning,
-                stacklevel=2,
+                "get_state()/set_state()"
             )
             return
         setter = getattr(iterator, "set_state", None)

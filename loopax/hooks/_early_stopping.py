@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .. import _warnings
 from .._validate import non_negative_int
 from ..loop import Loop, Priority
 from ..trainer import Trainer
@@ -160,12 +160,10 @@ class EarlyStopping(MetricMonitor):
     def _on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
         if self.stopped_step is not None:
-            warnings.warn(
+            _warnings.warn(
                 f"{self.name} stopped this training at step {self.stopped_step} "
                 f"({self.stop_reason}), so this run stops before its first step. Call reset() "
-                "on the object early_stopping returned to train on",
-                RuntimeWarning,
-                stacklevel=2,
+                "on the object early_stopping returned to train on"
             )
             loop.request_stop(self.stop_reason or "early stopping")
             return
@@ -202,15 +200,13 @@ class EarlyStopping(MetricMonitor):
         if self.best_step == trainer.global_step:
             return  # the trainer holds the best parameters already
         if self._best_copy is None or self._best_copy_step != self.best_step:
-            warnings.warn(
+            _warnings.warn(
                 f"{self.name}: the best {self.monitor} ({self.best:.6g}) was at step "
                 f"{self.best_step}, before the training last resumed from a checkpoint, so "
                 f"those parameters are not in memory and the trainer keeps those of step "
                 f"{trainer.global_step}. To get "
                 f"them back, attach hooks.checkpoint(loop, directory, best_metric="
-                f"{self.monitor!r}, best_mode={self.mode!r}) and call its restore_best()",
-                RuntimeWarning,
-                stacklevel=2,
+                f"{self.monitor!r}, best_mode={self.mode!r}) and call its restore_best()"
             )
             return
         state = state_of(trainer, self.name)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-import warnings
 from typing import Any
 
+from .. import _warnings
 from ..loop import Evaluation, Loop
 from ..loop._internal import train_key
 from ..trainer import Trainer
@@ -193,9 +193,7 @@ class MetricMonitor(abc.ABC):
                 f"hooks.evaluate(loop, <that dataset>, every_n_steps=...) or call "
                 "loop.evaluate(dataset)"
             )
-        warnings.warn(
-            f"{self.name} never checked {self.monitor!r}: {how}", RuntimeWarning, stacklevel=2
-        )
+        _warnings.warn(f"{self.name} never checked {self.monitor!r}: {how}")
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON)."""

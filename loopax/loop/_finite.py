@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from .. import _warnings
 from ..trainer._state import skipped_steps
 from ..trainer._steps import SKIPPED_STEPS
 from ._loop_metrics import GroupMetrics
@@ -148,10 +148,8 @@ class FiniteChecker:
         if self.handler is not None:
             self.handler(loop, skipped)
             return
-        warnings.warn(
+        _warnings.warn(
             f"skipped {len(skipped)} train step(s) with a non-finite loss or gradient: steps "
             f"{skipped[:10]}{' ...' if len(skipped) > 10 else ''} (Trainer.skip_non_finite_steps "
-            "is on); attach hooks.nan_guard to roll back or stop when it persists",
-            RuntimeWarning,
-            stacklevel=4,
+            "is on); attach hooks.nan_guard to roll back or stop when it persists"
         )

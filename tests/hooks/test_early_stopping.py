@@ -391,8 +391,12 @@ def test_after_a_stop_later_runs_stop_at_once_until_reset(trainer):
     loop, stopper, states = scripted_run(trainer, [1.0, 0.5, 0.75, 0.75, 0.75], patience=2)
     assert stopper.stopped_step == 8
     data = train_data()
-    with pytest.warns(RuntimeWarning, match=r"stopped this training at step 8.*Call reset\(\)"):
+    with pytest.warns(
+        RuntimeWarning, match=r"stopped this training at step 8.*Call reset\(\)"
+    ) as caught:
         loop.run_steps(data, 5)
+    # The warning points at the user's line (the run_steps call), never into loopax.
+    assert caught[0].filename == __file__, caught[0].filename
     assert trainer.global_step == 8
     assert_trees_equal(states[4].params, trainer.params)
 
