@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from ..loop import Loop, Priority
-from ..optimizers import get_learning_rate, set_learning_rate
+from ..optimizers import get_learning_rate, scale_learning_rate, set_learning_rate
+from ..optimizers._learning_rate import injected_learning_rates, with_learning_rates
 from ..trainer import Trainer
 from ._schedules import FirstNSteps
 from ._train_state import state_of
@@ -87,3 +88,33 @@ def require_adjustable_learning_rate(
         when=FirstNSteps(1),
         check_finite=False,
     )
+
+
+def _state(trainer: Trainer) -> Any:
+    state = trainer.state
+    if state is None:  # the hooks call these after a step; say so rather than fail obscurely
+        raise RuntimeError("the learning rates can be changed once the optimizer state exists")
+    return state
+
+
+def scale_trainer_learning_rate(trainer: Trainer, factor: float, minimum: float = 0.0) -> None:
+    """Multiplies each of the trainer's injected learning rates by `factor` (floor `minimum`).
+
+    Each group of an `optax.multi_transform` keeps its own proportion, where
+    `trainer.set_learning_rate` would give every group one value.
+    """
+    state = _state(trainer)
+    trainer.state = state.replace(
+        opt_state=scale_learning_rate(state.opt_state, factor, minimum=minimum)
+    )
+
+
+def trainer_learning_rates(trainer: Trainer) -> list[float]:
+    """Each of the trainer's injected learning rates (one per group), as host floats."""
+    return injected_learning_rates(_state(trainer).opt_state)
+
+
+def set_trainer_learning_rates(trainer: Trainer, rates: list[float]) -> None:
+    """Sets the trainer's injected learning rates, one per group (as listed above)."""
+    state = _state(trainer)
+    trainer.state = state.replace(opt_state=with_learning_rates(state.opt_state, rates))

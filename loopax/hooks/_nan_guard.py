@@ -22,7 +22,11 @@ from typing import Any
 from .._validate import positive_int
 from ..loop import Loop, NonFiniteLossError, Priority
 from ._checkpointing._checkpointer import CHECKPOINTERS
-from ._lr_checks import require_adjustable_learning_rate
+from ._lr_checks import (
+    require_adjustable_learning_rate,
+    set_trainer_learning_rates,
+    trainer_learning_rates,
+)
 
 
 class NanGuard:
@@ -108,7 +112,8 @@ class NanGuard:
                 "or check the data",
                 first,
             )
-        rate = loop.trainer.learning_rate
+        # The rates in use before the rollback (one per group), which the factor scales.
+        rates = trainer_learning_rates(loop.trainer) if self.lr_factor != 1.0 else []
         self._rolling_back = True
         try:
             restored = checkpointer.restore()
@@ -123,8 +128,8 @@ class NanGuard:
         self.rollbacks += 1
         self.rolled_back_to.append(restored)
         self.consecutive, self._last_skipped = 0, -2
-        if rate is not None and self.lr_factor != 1.0:
-            loop.trainer.set_learning_rate(rate * self.lr_factor)
+        if rates:
+            set_trainer_learning_rates(loop.trainer, [rate * self.lr_factor for rate in rates])
 
 
 def nan_guard(

@@ -15,7 +15,11 @@ import numpy as np
 from .._validate import non_negative_int
 from ..loop import Loop, Priority
 from ..trainer import Trainer
-from ._lr_checks import check_optimizer_state, require_adjustable_learning_rate
+from ._lr_checks import (
+    check_optimizer_state,
+    require_adjustable_learning_rate,
+    scale_trainer_learning_rate,
+)
 from ._monitor import MetricMonitor, check_number
 from ._train_state import state_of
 
@@ -114,8 +118,9 @@ class ReduceLROnPlateau(MetricMonitor):
         # The rate is a float32 in the optimizer state: compare at that precision.
         if old <= float(np.float32(self.min_lr)):
             return
+        # Each group of a multi_transform keeps its proportion; `new` is the first's.
+        scale_trainer_learning_rate(trainer, self.factor, self.min_lr)
         new = max(old * self.factor, self.min_lr)
-        trainer.set_learning_rate(new)
         self.reductions.append((step, float(new)))
         self.cooldown_counter = self.cooldown
         self.wait = 0

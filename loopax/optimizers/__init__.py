@@ -1,10 +1,11 @@
 """Optimizers, learning-rate schedules and run-time learning-rate control.
 
 Every optimizer is a plain ``optax.GradientTransformation`` whose state carries its
-learning rate (``get_learning_rate`` / ``set_learning_rate``).
+learning rate (``get_learning_rate`` / ``set_learning_rate`` / ``scale_learning_rate``).
 """
 
 from ._learning_rate import get_learning_rate as get_learning_rate
+from ._learning_rate import scale_learning_rate as scale_learning_rate
 from ._learning_rate import set_learning_rate as set_learning_rate
 from ._optimizers import adam as adam
 from ._optimizers import adamw as adamw
@@ -29,6 +30,7 @@ __all__ = [
     "periodic_cosine",
     "rmsprop",
     "schedule_from_name",
+    "scale_learning_rate",
     "set_learning_rate",
     "sgd",
     "warmup_cosine",

@@ -8,9 +8,11 @@ update without recompiling a step that takes the optimizer state as input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
@@ -122,9 +124,78 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         )
     if not isinstance(value, Tracer) and np.any(np.asarray(value) < 0):
         raise ValueError(f"set_learning_rate: learning rate {value!r} must be non-negative.")
+    return _replace_rates(opt_state, "set_learning_rate", lambda old: jax.lax.full_like(old, value))
+
+
+def scale_learning_rate(opt_state: Any, factor: float, *, minimum: float = 0.0) -> Any:
+    """Returns a copy of ``opt_state`` with each injected learning rate times ``factor``.
+
+    Unlike ``set_learning_rate``, which gives every injected rate one value, each rate keeps
+    its own proportion: the groups of an ``optax.multi_transform`` with rates 1e-3 and 1e-4
+    become 5e-4 and 5e-5 at ``factor=0.5``. No rate goes below ``minimum``, and one already
+    below it is left as it is. Shapes, dtypes and placement are kept, as by
+    ``set_learning_rate``.
+
+    Args:
+        opt_state: an optimizer state built with float learning rates.
+        factor: the multiplier (> 0).
+        minimum: the floor each scaled rate stops at.
+
+    Returns:
+        A new optimizer state of the same pytree structure.
+
+    Raises:
+        ValueError: as ``set_learning_rate``, or ``factor`` is not positive.
+
+    Example:
+        >>> import optax
+        >>> from loopax.optimizers import get_learning_rate, scale_learning_rate, sgd
+        >>> both = optax.multi_transform({"a": sgd(0.1), "b": sgd(0.01)}, {"w": "a", "v": "b"})
+        >>> state = scale_learning_rate(both.init({"w": 0.0, "v": 0.0}), 0.5)
+        >>> [round(float(get_learning_rate(s)), 6) for s in state.inner_states.values()]
+        [0.05, 0.005]
+    """
+    if isinstance(factor, bool) or not factor > 0:
+        raise ValueError(f"scale_learning_rate: factor must be > 0, got {factor!r}")
+
+    def scaled(old: Any) -> Any:
+        if isinstance(old, Tracer):
+            return jnp.where(old < minimum, old, jnp.maximum(old * factor, minimum)).astype(
+                old.dtype
+            )
+        current = np.asarray(old)
+        new = np.where(current < minimum, current, np.maximum(current * factor, minimum))
+        return jax.lax.full_like(old, new.reshape(-1)[0] if new.ndim else new)
+
+    return _replace_rates(opt_state, "scale_learning_rate", scaled)
+
+
+def injected_learning_rates(opt_state: Any) -> list[float]:
+    """Every injected learning rate of `opt_state`, as host floats, in a fixed order."""
+    return [
+        float(np.asarray(jax.device_get(node.hyperparams[_LEARNING_RATE])).reshape(-1)[0])
+        for node in _injected_states(opt_state)
+    ]
+
+
+def with_learning_rates(opt_state: Any, rates: list[float]) -> Any:
+    """`opt_state` with its injected learning rates set to `rates`, in the order above."""
+    if len(rates) != len(_injected_states(opt_state)):
+        raise ValueError(
+            f"with_learning_rates: {len(rates)} rates for "
+            f"{len(_injected_states(opt_state))} injected learning rates"
+        )
+    remaining = iter(rates)
+    return _replace_rates(
+        opt_state, "set_learning_rate", lambda old: jax.lax.full_like(old, next(remaining))
+    )
+
+
+def _replace_rates(opt_state: Any, what: str, new_rate: Callable[[Any], Any]) -> Any:
+    """`opt_state` with each injected learning rate `old` replaced by `new_rate(old)`."""
     if not _injected_states(opt_state):
         raise ValueError(
-            "set_learning_rate: this optimizer state has no injectable learning rate. "
+            f"{what}: this optimizer state has no injectable learning rate. "
             "Build the optimizer with loopax.optimizers (sgd, adam, adamw, rmsprop, "
             "from_name) or wrap an optax optimizer with optax.inject_hyperparams so that "
             "opt_state.hyperparams holds 'learning_rate'."
@@ -137,14 +208,14 @@ def set_learning_rate(opt_state: Any, value: Any) -> Any:
         if _LEARNING_RATE in hyperparams:
             if _is_scheduled(node):
                 raise ValueError(
-                    "set_learning_rate: the learning rate of this optimizer is driven by a "
+                    f"{what}: the learning rate of this optimizer is driven by a "
                     "schedule, which overwrites opt_state.hyperparams['learning_rate'] at "
                     "every update, so a value set here would be discarded. Build the "
                     "optimizer with a float learning_rate to change it at run time, or "
                     "build it with the schedule you want."
                 )
             old = hyperparams[_LEARNING_RATE]
-            new = jax.lax.full_like(old, value)
+            new = new_rate(old)
             # Committed-ness is part of jit's cache key: match it, and the placement.
             if isinstance(old, jax.Array) and not isinstance(old, Tracer) and old.committed:
                 new = jax.device_put(new, old.sharding)

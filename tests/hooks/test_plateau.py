@@ -94,6 +94,25 @@ def approx_pairs(pairs):
 # -- the rules -------------------------------------------------------------------------------
 
 
+def test_every_group_of_a_multi_transform_keeps_its_proportion():
+    def group_rates(trainer):
+        groups = trainer.state.opt_state.inner_states
+        return [float(loopax.optimizers.get_learning_rate(groups[g])) for g in ("fast", "slow")]
+
+    both = optax.multi_transform(
+        {"fast": loopax.optimizers.sgd(RATE), "slow": loopax.optimizers.sgd(RATE / 10)},
+        lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: "fast" if "Dense_0" in jax.tree_util.keystr(path) else "slow", params
+        ),
+    )
+    trainer = new_trainer(both)
+    warm_up(trainer)
+    _, plateau, _ = scripted_run(trainer, [1.0, 1.0, 1.0], 6, patience=2, factor=0.5)
+    assert [step for step, _ in plateau.reductions] == [6]
+    # Each group halved; set_learning_rate would have given both the first group's rate.
+    assert group_rates(trainer) == pytest.approx([RATE / 2, RATE / 20])
+
+
 def test_patience_and_factor(trainer):
     loop, plateau, rates = scripted_run(
         trainer, [1.0, 0.5, 0.5, 0.75, 0.5, 0.25, 0.5, 0.5], 16, patience=2, factor=0.5

@@ -181,3 +181,29 @@ def test_set_learning_rate_refuses_a_schedule_naming_the_fix():
         optimizers.set_learning_rate(trainer.state.opt_state, schedule)
     trainer.set_learning_rate(5e-4)
     assert float(trainer.learning_rate_array()) == pytest.approx(5e-4)
+
+
+# -- per-group rates (issue 22 item 20) ----------------------------------------------------
+
+
+def two_groups():
+    return optax.multi_transform(
+        {"fast": optimizers.sgd(0.1), "slow": optimizers.sgd(0.01)}, {"w": "fast", "v": "slow"}
+    )
+
+
+def group_rates(opt_state):
+    return [float(optimizers.get_learning_rate(s)) for s in opt_state.inner_states.values()]
+
+
+def test_scale_learning_rate_keeps_each_groups_proportion_and_floor():
+    state = two_groups().init({"w": jnp.zeros(2), "v": jnp.zeros(2)})
+    assert group_rates(optimizers.scale_learning_rate(state, 0.5)) == pytest.approx([0.05, 0.005])
+    floored = optimizers.scale_learning_rate(state, 0.1, minimum=0.005)
+    assert group_rates(floored) == pytest.approx([0.01, 0.005])  # 0.001 stops at the floor
+    below = optimizers.scale_learning_rate(state, 0.5, minimum=0.02)
+    assert group_rates(below) == pytest.approx([0.05, 0.01])  # already below: left alone
+    with pytest.raises(ValueError, match="factor must be > 0"):
+        optimizers.scale_learning_rate(state, 0.0)
+    with pytest.raises(ValueError, match="no injectable learning rate"):
+        optimizers.scale_learning_rate(optax.sgd(0.1).init({"w": 0.0}), 0.5)
