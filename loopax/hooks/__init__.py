@@ -31,6 +31,8 @@ from ._schedules import NTimes as NTimes
 from ._schedules import Periodic as Periodic
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._tensorboard import tensorboard as tensorboard
+from ._time_limit import TimeLimit as TimeLimit
+from ._time_limit import time_limit as time_limit
 from ._triggers import at_steps as at_steps
 from ._triggers import every_n_epochs as every_n_epochs
 from ._triggers import every_n_steps as every_n_steps
@@ -66,6 +68,7 @@ __all__ = [
     "ReduceLROnPlateau",
     "Schedule",
     "TensorBoardWriter",
+    "TimeLimit",
     "WriterHooks",
     "at_steps",
     "checkpoint",
@@ -85,6 +88,7 @@ __all__ = [
     "reduce_lr_on_plateau",
     "report_eval",
     "tensorboard",
+    "time_limit",
     "write_metrics",
 ]
 
