@@ -20,6 +20,8 @@ from ._plateau import ReduceLROnPlateau as ReduceLROnPlateau
 from ._plateau import reduce_lr_on_plateau as reduce_lr_on_plateau
 from ._plot import Plotter as Plotter
 from ._plot import plot as plot
+from ._profile import Profiler as Profiler
+from ._profile import profile as profile
 from ._progress import ProgressBar as ProgressBar
 from ._progress import progress_bar as progress_bar
 from ._schedules import AtSteps as AtSteps
@@ -64,6 +66,7 @@ __all__ = [
     "NoGoodCheckpointError",
     "Periodic",
     "Plotter",
+    "Profiler",
     "ProgressBar",
     "ReduceLROnPlateau",
     "Schedule",
@@ -84,6 +87,7 @@ __all__ = [
     "on_schedule",
     "periodic_callback",
     "plot",
+    "profile",
     "progress_bar",
     "reduce_lr_on_plateau",
     "report_eval",
