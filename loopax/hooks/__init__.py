@@ -14,6 +14,8 @@ from ._evaluate import evaluate as evaluate
 from ._evaluate import report_eval as report_eval
 from ._metrics_log import MetricsLog as MetricsLog
 from ._metrics_log import metrics_log as metrics_log
+from ._mlflow import MlflowWriter as MlflowWriter
+from ._mlflow import mlflow as mlflow
 from ._nan_guard import NanGuard as NanGuard
 from ._nan_guard import nan_guard as nan_guard
 from ._plateau import ReduceLROnPlateau as ReduceLROnPlateau
@@ -61,6 +63,7 @@ __all__ = [
     "FirstNSteps",
     "MetricWriter",
     "MetricsLog",
+    "MlflowWriter",
     "NTimes",
     "NanGuard",
     "NoGoodCheckpointError",
@@ -82,6 +85,7 @@ __all__ = [
     "exponential_callback",
     "first_n_steps",
     "metrics_log",
+    "mlflow",
     "n_times_during_loop",
     "nan_guard",
     "on_schedule",

@@ -99,6 +99,10 @@ def render_plots(points: list[Point], directory: str) -> list[str]:
     return paths
 
 
+# loop.shared_data key: the loop's plot hooks (hooks.mlflow logs their PNGs).
+PLOTTERS = "loopax.plotters"
+
+
 class Plotter(MetricWriter):
     """Collects metric points and renders them; created by `plot`.
 
@@ -244,6 +248,7 @@ def plot(
         _require_matplotlib()
     directory = _validate.path("directory", directory, "plot: ")
     plotter = Plotter(directory, loop.trainer, render)
+    loop.shared_data.setdefault(PLOTTERS, []).append(plotter)  # e.g. for hooks.mlflow
     name = f"plot({directory})"
     if eval_datasets:
         own = _OwnEvaluations(eval_datasets)
