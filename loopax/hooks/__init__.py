@@ -35,6 +35,8 @@ from ._schedules import NTimes as NTimes
 from ._schedules import Periodic as Periodic
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._tensorboard import tensorboard as tensorboard
+from ._throughput import Throughput as Throughput
+from ._throughput import throughput as throughput
 from ._time_limit import TimeLimit as TimeLimit
 from ._time_limit import time_limit as time_limit
 from ._triggers import at_steps as at_steps
@@ -74,6 +76,7 @@ __all__ = [
     "ReduceLROnPlateau",
     "Schedule",
     "TensorBoardWriter",
+    "Throughput",
     "TimeLimit",
     "WriterHooks",
     "at_steps",
@@ -96,6 +99,7 @@ __all__ = [
     "reduce_lr_on_plateau",
     "report_eval",
     "tensorboard",
+    "throughput",
     "time_limit",
     "write_metrics",
 ]

@@ -28,11 +28,19 @@ _BUILTINS = {
     "skipped_steps": ("Skipped Steps", "skipped"),
     "learning_rate": ("Learning Rate", "lr"),
     "loss_scale": ("Loss Scale", "scale"),
+    "steps_per_second": ("Steps per Second", "steps/s"),
+    "examples_per_second": ("Examples per Second", "ex/s"),
+    "flops_per_step": ("FLOPs per Step", "flops"),
+    "mfu": ("Model FLOPs Utilization", "mfu"),
 }
 _BUILTIN_TYPES = {
     "skipped_steps": "count",
     "learning_rate": "learning_rate",
     "loss_scale": "loss_scale",
+    "steps_per_second": "throughput",
+    "examples_per_second": "throughput",
+    "flops_per_step": "flops",
+    "mfu": "utilization",
 }
 
 

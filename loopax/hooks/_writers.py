@@ -28,6 +28,11 @@ def _no_wait() -> None:
     return None
 
 
+# loop.shared_data key: the loop's WriterHooks, which hooks with points of their own
+# (hooks.throughput) write to.
+WRITERS = "loopax.writers"
+
+
 class MetricWriter(abc.ABC):
     """An output of metric points; subclass it to send them anywhere (a database, W&B).
 
@@ -182,6 +187,7 @@ def write_metrics(
     hooks = WriterHooks(writer, when, call_on_end=call_on_end, learning_rate=learning_rate)
     if not is_writer_process():
         return hooks
+    loop.shared_data.setdefault(WRITERS, []).append(hooks)  # e.g. for hooks.throughput
     name = name or type(writer).__name__
     loop.on_start(name, hooks.on_start, priority)
     if when.at_epoch_end:

@@ -26,6 +26,14 @@ class ExecInfo:
       input_shapes, input_dtypes, label_shapes, label_dtypes: the global batch's
         shapes and dtype names.
       compile_seconds: wall time of tracing, lowering and compiling.
+      flops: XLA's cost analysis of one call, summed over the devices, or None when the
+        backend gives none (XLA counts a loop's body once: a fused program's is about one
+        step's).
+      flops_per_step: the FLOPs of one optimizer step over all devices, from `flops`, for
+        a train program; else None.
+      steps: optimizer steps one call takes (n for `"train_steps"`; 0 for evaluation and
+        prediction).
+      examples: examples one call reads (all processes).
     """
 
     graph_type: str
@@ -35,6 +43,10 @@ class ExecInfo:
     label_shapes: tuple
     label_dtypes: tuple
     compile_seconds: float
+    flops: float | None = None
+    flops_per_step: float | None = None
+    steps: int = 0
+    examples: int = 0
 
 
 @dataclasses.dataclass

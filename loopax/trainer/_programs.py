@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..data._datasets import as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._models import no_parameters_message
 from ._named import fused_metrics, named_metrics
-from ._program import TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
+from ._program import STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
 from ._state import TrainState, from_plain, to_plain
 from ._steps import StepBuilder, StepConfig
 
@@ -224,6 +225,7 @@ class Programs:
             label_shapes=tuple(tuple(a.shape) for a in labels),
             label_dtypes=tuple(str(a.dtype) for a in labels),
             compile_seconds=time.perf_counter() - started,
+            **_costs(compiled, program, inputs, program.axes(self._cache.accumulating), strategy),
         )
         for handler in self._exec_handlers:
             handler(info)
@@ -273,3 +275,35 @@ class Programs:
             to_plain({"params": state.params, "model_state": state.model_state}),
             where,
         )
+
+
+def _costs(compiled: Any, program: Program, inputs: Any, axes: tuple, strategy: Any) -> dict:
+    """`ExecInfo`'s flops (all devices), optimizer steps and examples of one call."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no FLOPs
+        analysis = None
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    per_device = analysis.get("flops") if isinstance(analysis, dict) else None
+    flops = None if per_device is None else float(per_device) * strategy.num_devices
+    shape = tuple(inputs[0].shape) if inputs else ()
+    leading = len(axes)  # the axes before the batch axis
+    examples = int(np.prod(shape[: leading + 1])) if len(shape) > leading else 0
+    if strategy.multi_process:
+        examples *= jax.process_count()  # each process passed its share
+    steps = 0
+    if program.graph_type in ("train", "train_steps"):
+        steps = shape[axes.index(STEPS)] if STEPS in axes and shape else 1
+    flops_per_step = None
+    if flops is not None and steps:
+        # XLA's cost analysis counts a loop's body once: a fused program's FLOPs are one
+        # step's, unless XLA unrolled the loop (no while left in the program).
+        looped = steps > 1 and " while(" in compiled.as_text()
+        flops_per_step = flops if looped else flops / steps
+    return {
+        "flops": flops,
+        "flops_per_step": flops_per_step,
+        "steps": int(steps),
+        "examples": examples,
+    }
