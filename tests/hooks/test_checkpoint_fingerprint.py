@@ -42,12 +42,15 @@ def _on_devices(arrays, mesh, specs):
         [
             local_checks(
                 device_checks(
-                    [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+                    [
+                        jax.device_put(a, NamedSharding(mesh, s))
+                        for a, s in zip(arrays, specs, strict=True)
+                    ]
                 )
             )
         ]
     )
-    return [describe(a.dtype, np.shape(a), v) for a, v in zip(arrays, sums)], finite
+    return [describe(a.dtype, np.shape(a), v) for a, v in zip(arrays, sums, strict=True)], finite
 
 
 LAYOUTS = {

@@ -18,7 +18,8 @@ import pytest
 from loopax.testing import Processes, multiprocess
 
 TIMEOUT = 120  # per group of processes; a hang fails, it never waits forever
-BARRIER_TIMEOUT = 5.0  # seconds: the processes' own agreement timeout in these tests
+BARRIER_TIMEOUT = 30.0  # seconds: the processes' own agreement timeout in these tests
+DEAD_TIMEOUT = 3.0  # the agreement timeout of the run that loses a process
 GLOBAL_BATCH = 8
 
 
@@ -182,19 +183,32 @@ def restore_on_one_process(directory, shared_directory, saved_directory):
     return result
 
 
-def resume_on_two_processes(saved_directory):
-    """2 processes resume a 1-process checkpoint of step 4 and train to 8."""
+def resume_on_two_processes(saved_directory, damaged_directory):
+    """2 processes resume a 1-process checkpoint of step 4 and train to 8; then they attach
+    to a directory whose newest checkpoint has a corrupted shard."""
+    import warnings
+
     import jax
 
     import loopax
     from loopax import hooks
+
+    damaged = loopax.Loop(_trainer())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointer = hooks.checkpoint(damaged, damaged_directory)
+    result = {
+        "damaged_restored": checkpointer.restored_step,
+        "warnings": [str(w.message) for w in caught if "damaged" in str(w.message)],
+        "damaged_steps": checkpointer.all_steps(),
+    }
 
     loop = loopax.Loop(_trainer())
     checkpointer = hooks.checkpoint(loop, saved_directory, restore="latest", every_n_steps=100)
     restored = checkpointer.restored_step
     loop.run_to_step(Share(4, jax.process_index(), 2), 8)
     checkpointer.wait()
-    return {"restored": restored, "params8": _host(loop.trainer.params)}
+    return {**result, "restored": restored, "params8": _host(loop.trainer.params)}
 
 
 def _die_at_step_4(loop, metrics):
@@ -243,7 +257,7 @@ def train_then_one_dies(directory):
 
     loop = loopax.Loop(_trainer())
     checkpointer = hooks.checkpoint(
-        loop, f"{directory}/killed", every_n_steps=2, barrier_timeout=BARRIER_TIMEOUT
+        loop, f"{directory}/killed", every_n_steps=2, barrier_timeout=DEAD_TIMEOUT
     )
     if jax.process_index() == 1:
         loop.on_step("die", _die_at_step_4, loopax.Priority.VALIDATE)
@@ -258,24 +272,6 @@ def train_then_one_dies(directory):
     del checkpointer
     # The dead process would hold up JAX's own shutdown barrier: report and leave now.
     os._exit(0)
-
-
-def restore_after_damage(directory):
-    """2 processes attach to a directory whose newest checkpoint has a corrupted shard."""
-    import warnings
-
-    import loopax
-    from loopax import hooks
-
-    loop = loopax.Loop(_trainer())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        checkpointer = hooks.checkpoint(loop, directory, barrier_timeout=BARRIER_TIMEOUT)
-    return {
-        "restored": checkpointer.restored_step,
-        "warnings": [str(w.message) for w in caught if "damaged" in str(w.message)],
-        "steps": checkpointer.all_steps(),
-    }
 
 
 # -- the tests --------------------------------------------------------------------------------
@@ -316,10 +312,15 @@ def test_background_saves_on_two_processes_finish_and_resume_exactly(saved):
     assert all(":" in value for value in bundle["fingerprints"].values())
 
 
-def test_a_two_process_checkpoint_restores_on_one_process_and_back(saved, tmp_path):
-    first = saved["values"][0]
-    one_process_directory = tmp_path / "one-process"
-    (result,) = multiprocess(
+@pytest.fixture(scope="module")
+def moved(saved):
+    """1 process reads the 2-process checkpoints; then 2 processes read a 1-process one and
+    a copy of the 2-process one whose newest checkpoint has a corrupted shard."""
+    import shutil
+
+    root = saved["root"]
+    one_process_directory, damaged = root / "one-process", root / "damaged"
+    (one,) = multiprocess(
         1,
         4,
         restore_on_one_process,
@@ -328,6 +329,31 @@ def test_a_two_process_checkpoint_restores_on_one_process_and_back(saved, tmp_pa
         str(one_process_directory),
         timeout=TIMEOUT,
     )
+    shutil.copytree(saved["directory"], damaged)
+    # Corrupt the array data of checkpoint 10 (the newest; the resume saved 8 and 10).
+    data_files = [
+        path
+        for path in (damaged / "10" / "state").rglob("*")
+        if path.is_file() and "d" in path.parent.name.split(".")[-1]
+    ]
+    assert data_files
+    for path in data_files:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    two = multiprocess(
+        2,
+        2,
+        resume_on_two_processes,
+        str(one_process_directory),
+        str(damaged),
+        timeout=TIMEOUT,
+    )
+    return {"one": one, "two": two, "damaged": damaged}
+
+
+def test_a_two_process_checkpoint_restores_on_one_process_with_4_2_or_1_devices(saved, moved):
+    first, result = saved["values"][0], moved["one"]
     for count in ("4", "2", "1"):
         step, params = result["restored"][count]
         assert step == 6 and params == first["shared_params6"], count
@@ -338,14 +364,13 @@ def test_a_two_process_checkpoint_restores_on_one_process_and_back(saved, tmp_pa
     assert "this run has 1 processes" in result["refused"]
     assert result["load_params"] == first["params6"]
 
-    values = multiprocess(
-        2, 2, resume_on_two_processes, str(one_process_directory), timeout=TIMEOUT
-    )
-    for value in values:
+
+def test_a_one_process_checkpoint_resumes_on_two_processes(moved):
+    for value in moved["two"]:
         assert value["restored"] == 4
         np.testing.assert_allclose(
             _leaves(value["params8"]),
-            _leaves(result["one_process_params8"]),
+            _leaves(moved["one"]["one_process_params8"]),
             rtol=1e-6,
             atol=1e-7,
         )
@@ -357,27 +382,12 @@ def _leaves(tree):
     return np.concatenate([np.ravel(np.asarray(leaf)) for leaf in jax.tree.leaves(tree)])
 
 
-def test_a_corrupted_shard_is_set_aside_on_every_process(saved, tmp_path):
-    import shutil
-
-    directory = tmp_path / "damaged"
-    shutil.copytree(saved["directory"], directory)
-    # Corrupt the array data of checkpoint 10 (the newest; the resume saved 8 and 10).
-    data_files = [
-        path
-        for path in (directory / "10" / "state").rglob("*")
-        if path.is_file() and "d" in path.parent.name.split(".")[-1]
-    ]
-    assert data_files
-    for path in data_files:
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        path.write_bytes(bytes(raw))
-    values = multiprocess(2, 2, restore_after_damage, str(directory), timeout=TIMEOUT)
+def test_a_corrupted_shard_is_set_aside_on_every_process(moved):
+    values = moved["two"]
     for value in values:
-        assert value["restored"] == 8
-        assert 10 not in value["steps"]
-    assert any(values[0]["warnings"]) and (directory / "damaged" / "10").is_dir()
+        assert value["damaged_restored"] == 8
+        assert 10 not in value["damaged_steps"]
+    assert any(values[0]["warnings"]) and (moved["damaged"] / "damaged" / "10").is_dir()
 
 
 def test_a_dead_process_makes_the_survivors_save_fail_naming_it(tmp_path):
@@ -394,4 +404,4 @@ def test_a_dead_process_makes_the_survivors_save_fail_naming_it(tmp_path):
     line = next((line for line in log.splitlines() if line.startswith("OUTCOME ")), log)
     outcome = json.loads(line[len("OUTCOME ") :])
     assert "process(es) [1] of 2 did not arrive" in outcome["error"]
-    assert outcome["seconds"] < BARRIER_TIMEOUT + 30
+    assert outcome["seconds"] < DEAD_TIMEOUT + 30
