@@ -323,6 +323,7 @@ class Checkpointer:
         bundle["fingerprints"] = fingerprints
         # Everyone is here and alive before Orbax's own barriers (their timeout is Orbax's).
         coordination.barrier(f"save{save}/start", f"the save of checkpoint {step}")
+        coordination.forget(f"save{save}")  # every process has read every part now
         ocp = self._ocp
         self._manager.save(
             step,

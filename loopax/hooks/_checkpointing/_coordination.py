@@ -157,6 +157,21 @@ class Coordination:
             for process in range(self.process_count)
         ]
 
+    def forget(self, key: str) -> None:
+        """Deletes this process's value and mark of exchange `key` from the service.
+
+        Call it once every process has read them (e.g. after a later barrier), so that a
+        long run does not pile up old exchanges in the coordination service's memory.
+        """
+        if self.single:
+            return
+        client = _client()
+        for name in (
+            self._key(key, self.process_index),
+            self._key(key, "arrived", self.process_index),
+        ):
+            client.key_value_delete(name)
+
     def broadcast(self, key: str, value: Any, what: str) -> Any:
         """Process 0's `value` (JSON) on every process (the others' `value` is ignored).
 
