@@ -123,6 +123,8 @@ def save_and_resume(directory, shared_directory):
     checkpointer.wait()
     result["resumed_params"] = _host(resumed.trainer.params)
     result["resumed_position"] = data.get_state()
+    checkpointer.restore(4)  # a given step, read and agreed on every process
+    result["back_to_4"] = [resumed.trainer.global_step, _host(resumed.trainer.params)]
 
     # Process 1 now holds other data than it saved: both processes raise, neither hangs.
     wrong = loopax.Loop(_trainer())
@@ -304,6 +306,8 @@ def test_background_saves_on_two_processes_finish_and_resume_exactly(saved):
     # Each process resumed its own data (seeds 100 and 101), not process 0's.
     assert first["resumed_position"]["seed"] == 100
     assert second["resumed_position"]["seed"] == 101
+    assert first["back_to_4"][0] == second["back_to_4"][0] == 4
+    assert first["back_to_4"][1] == second["back_to_4"][1]
     assert "process 1 could not restore its dataset position" in first["wrong_data"]
     assert "saved with seed 101 but this dataset has seed 1101" in second["wrong_data"]
     bundle = json.loads((saved["directory"] / "6" / "loopax" / "metadata").read_text())
