@@ -14,6 +14,7 @@ or hangs); the parts are added up on the hosts, through the coordination service
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -43,9 +44,14 @@ class Snapshot:
     checks: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
 
 
-@jax.jit
+@functools.lru_cache(maxsize=8)
+def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+    """A compiled copy that keeps each array's sharding (no data moves between devices)."""
+    return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
+
+
 def _copy(arrays: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.copy(x) for x in arrays]
+    return _copier(tuple(x.sharding for x in arrays))(arrays)
 
 
 def _nest(flat: list[tuple[tuple[str, ...], Any]]) -> dict:
