@@ -237,6 +237,37 @@ class StepClock:
         return self.now
 
 
+def _full():
+    return np.arange(8 * 64, dtype=np.float32).reshape(8, 64) / 7
+
+
+def _sharded_fingerprint():
+    """The fingerprint of an array sharded 2x2 over both processes' devices, from each
+    process's part added up through the coordination service."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loopax.hooks._checkpointing._coordination import Coordination
+    from loopax.hooks._checkpointing._fingerprint import (
+        combine,
+        describe,
+        device_checks,
+        local_checks,
+    )
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    full = _full()
+    sharding = NamedSharding(mesh, P("data", "model"))
+    array = jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+    assert not array.is_fully_addressable
+    parts = Coordination("fingerprint-test", BARRIER_TIMEOUT).all_gather(
+        "parts", local_checks(device_checks([array])), "the fingerprint parts"
+    )
+    sums, finite = combine(parts)
+    return [describe(full.dtype, full.shape, sums[0]), finite[0]]
+
+
 def train_then_one_dies(directory):
     """First: saves every `period_seconds`, where only process 0's clock moves: both save the
     same steps. Then 2 processes save at 2; at step 4 process 1 is killed (SIGKILL) before
@@ -248,6 +279,7 @@ def train_then_one_dies(directory):
     import loopax
     from loopax import hooks
 
+    print("SHARDED " + json.dumps(_sharded_fingerprint()), flush=True)
     clock = StepClock(0.6 if jax.process_index() == 0 else 0.0)
     timed = loopax.Loop(_trainer())
     checkpointer = hooks.checkpoint(
@@ -399,6 +431,13 @@ def test_a_dead_process_makes_the_survivors_save_fail_naming_it(tmp_path):
         results = group.wait(TIMEOUT)
     log = results[0].log
     assert results[1].returncode == -signal.SIGKILL
+    # An array sharded over both processes: each adds its devices' part; the sum is the
+    # host's fingerprint of the whole array.
+    from loopax.hooks._checkpointing._fingerprint import host_fingerprint
+
+    for result in results:
+        line = next(line for line in result.log.splitlines() if line.startswith("SHARDED "))
+        assert json.loads(line[len("SHARDED ") :]) == [host_fingerprint(_full()), True]
     # Process 0's clock decided the time-based saves of both (process 1's clock stood still).
     timed = [
         json.loads(next(line for line in r.log.splitlines() if line.startswith("TIMED "))[6:])
