@@ -4,6 +4,7 @@ from ..loop import Schedule as Schedule
 from ..loop._internal import AnyOf as AnyOf
 from ._checkpointing._checkpointer import Checkpointer as Checkpointer
 from ._checkpointing._checkpointer import NoGoodCheckpointError as NoGoodCheckpointError
+from ._checkpointing._coordination import CoordinationError as CoordinationError
 from ._checkpointing._hook import checkpoint as checkpoint
 from ._checkpointing._io import DamagedCheckpointError as DamagedCheckpointError
 from ._checkpointing._writer import BackgroundSaveError as BackgroundSaveError
@@ -56,6 +57,7 @@ __all__ = [
     "AtSteps",
     "BackgroundSaveError",
     "Checkpointer",
+    "CoordinationError",
     "DamagedCheckpointError",
     "EarlyStopping",
     "Evaluator",

@@ -3,18 +3,27 @@
 On-disk layout (one Orbax `CheckpointManager` directory; step = `trainer.global_step`)::
 
     <directory>/<step>/state/    the train state as a plain tree of arrays (Orbax StandardSave)
-    <directory>/<step>/loopax/   JSON: format marker, step, array checksums, the loop's state
-                                 (history, trigger and hook states), the dataset position
+    <directory>/<step>/loopax/   JSON: format marker, step, array fingerprints, the loop's
+                                 state (history, trigger and hook states), every process's
+                                 dataset position
     <directory>/damaged/<step>/  checkpoints that could not be read or verified, moved aside
 
-The state is saved in its plain form (`Trainer.state_dict()`), so it reads back into host
-arrays without knowing the model, onto any device count. A checkpoint is restored only if
-its arrays match the checksums written with them and are all finite; otherwise it is moved
-aside with a warning and the next newest is tried. No pickle is used anywhere.
+The state is saved in its plain form (the names of `Trainer.state_dict()`), so it reads back
+into host arrays without knowing the model, onto any device count and process count. A
+checkpoint is restored only if its arrays match the fingerprints written with them and are
+all finite; otherwise it is moved aside with a warning and the next newest is tried. No
+pickle is used anywhere.
+
+With several processes (`jax.distributed`) every process attaches the hook and saves its own
+shards; they agree through the coordination service (barriers with `barrier_timeout`), never
+through a device collective off the training thread, and a process that stops answering
+makes the others raise a `CoordinationError` naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import math
 import os
@@ -28,23 +37,24 @@ import jax
 
 from ... import _validate
 from ...loop import Loop, NonFiniteLossError
-from ...loop._internal import first_non_finite
 from ...trainer import Trainer
 from .._metric_info import split_eval_key
 from ._checks import check_best_metric as _check_best_metric
+from ._coordination import DEFAULT_TIMEOUT_SECONDS, Coordination
 from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
 from ._format import STATE_ITEM as _STATE_ITEM
 from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
-from ._format import make_bundle, named_train_metrics
+from ._format import make_bundle, named_train_metrics, positions_for, with_positions
 from ._io import (
-    checksums,
     open_manager,
-    read,
+    read_agreed,
     read_metric_values,
     read_newest_good,
     set_aside_entries,
 )
+from ._positions import apply_positions, dataset_states
+from ._snapshot import Snapshot, check, local_part, take
 from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 
 _logger = logging.getLogger(__name__)
@@ -53,6 +63,9 @@ _logger = logging.getLogger(__name__)
 # the old one has in flight (Orbax's start-up clean-up would delete them).
 _ACTIVE: dict[Path, weakref.ref] = {}
 CHECKPOINTERS = "checkpointers"  # `loop.shared_data` key: the Checkpointers attached to it
+# Numbers the Checkpointers of this process; every process attaches the same hooks in the
+# same order, so the number names one Checkpointer's exchanges on every process.
+_INSTANCES = itertools.count()
 
 
 class NoGoodCheckpointError(RuntimeError):
@@ -69,6 +82,8 @@ class Checkpointer:
     Attributes:
       directory: the absolute checkpoint directory.
       restored_step: the step restored when attached (or by `restore`), or None.
+      coordination: the exchanges between processes (barriers, dataset positions), each
+        waiting at most `barrier_timeout` seconds.
     """
 
     trainer: Trainer
@@ -88,6 +103,7 @@ class Checkpointer:
         keep_best: int = 1,
         keep_period: int | None = None,
         async_save: bool = True,
+        barrier_timeout: float = DEFAULT_TIMEOUT_SECONDS,
     ):
         import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
 
@@ -107,6 +123,13 @@ class Checkpointer:
         self._pending_datasets: dict | None = None  # dataset positions for the next OnStart
         self._pending_save: tuple | None = None
         self._dataset: Any = None
+        digest = hashlib.sha1(str(self.directory).encode()).hexdigest()[:12]
+        namespace = f"checkpoint-{digest}-{next(_INSTANCES)}"
+        self.coordination = Coordination(namespace, barrier_timeout)
+        self._exchanges = itertools.count()  # names the training thread's exchanges
+        self._saves = itertools.count()  # names the writer thread's
+        if not self.coordination.single:  # Orbax creates no directory on several processes
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._last_saved_step: int | None = None
         self._best_values: dict[int, float] | None = None  # step -> best_metric, read lazily
         self._writer = BackgroundWriter(
@@ -135,6 +158,7 @@ class Checkpointer:
             best_mode=best_mode,
             keep_best=self.keep_best,
             keep_period=self.keep_period,
+            barrier_prefix=namespace,
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
@@ -213,19 +237,16 @@ class Checkpointer:
             return None
         return float(value)
 
-    def _dataset_states(self) -> dict[str, Any]:
-        dataset = self._dataset
-        if dataset is not None and callable(getattr(dataset, "get_state", None)):
-            return {getattr(dataset, "name", "dataset"): dataset.get_state()}
-        return {}
-
     def save(self, metrics: dict[str, Any] | None = None) -> int | None:
         """Saves the current state at `trainer.global_step`, asynchronously.
 
-        The arrays are copied off the device now; once the hooks of the current step have
-        run (at once outside a run) the logs are flushed and a background thread verifies
-        the arrays (all finite), checksums them and commits the checkpoint; `wait()` blocks
-        until then. A step already saved is not saved again.
+        The arrays are copied off the device now (with several processes: copied on their
+        devices, and their fingerprints started there); once the hooks of the current step
+        have run (at once outside a run) the logs are flushed and a background thread
+        verifies the arrays (all finite), fingerprints them, gathers every process's
+        dataset position and commits the checkpoint; `wait()` blocks until then. A step
+        already saved is not saved again. With several processes every process must save
+        the same steps.
 
         Args:
           metrics: unused (the best metric is read from `loop.history`); kept so the
@@ -249,8 +270,8 @@ class Checkpointer:
         step = self.trainer.global_step
         if step == self._last_saved_step or step in self._manager.all_steps():
             return None
-        state = self.trainer.state_dict()
-        self._pending_save = (step, state, self._dataset_states())
+        snapshot = take(self.trainer)
+        self._pending_save = (step, snapshot, dataset_states(self._dataset))
         self._last_saved_step = step
         self.loop.call_after_hooks(self._commit)
         return step
@@ -260,41 +281,55 @@ class Checkpointer:
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return
-        step, state, datasets = pending
+        step, snapshot, datasets = pending
         flushed = self.loop.flush()
         best_value = self._best_value(step)
         bundle = make_bundle(
             step,
             num_devices=self.trainer.num_devices,
             loop_state=self.loop.get_state(),
-            datasets=datasets,
+            datasets=[datasets],
             best_metric=None if best_value is None else {self.best_metric: best_value},
         )
-        self._writer.submit(self._write, step, state, bundle, best_value, flushed)
+        save = next(self._saves)
+        self._writer.submit(self._write, step, snapshot, bundle, best_value, save, flushed)
 
     def _write(
         self,
         step: int,
-        state: dict,
+        snapshot: Snapshot,
         bundle: dict,
         best_value: float | None,
+        save: int,
         flushed: Callable[[], None],
     ) -> None:
-        """The background thread: waits for the logs, verifies, checksums and commits."""
+        """The background thread: waits for the logs, verifies, fingerprints and commits."""
         flushed()
-        bad = first_non_finite(state)
+        # Every process's dataset positions and its part of the device checks, on every
+        # process: they all decide alike whether the state is fit to save.
+        coordination = self.coordination
+        every = coordination.all_gather(
+            f"save{save}",
+            {"datasets": bundle["datasets"], **local_part(snapshot)},
+            f"the dataset positions and array checks of checkpoint {step}",
+        )
+        fingerprints, bad = check(snapshot, every)
         if bad is not None:
             raise NonFiniteLossError(
                 f"refused to save checkpoint {step}: {bad!r} holds NaN or infinite values; the "
                 "newest good checkpoint is kept"
             )
-        bundle["checksums"] = checksums(state)
+        bundle = with_positions(bundle, [part["datasets"] for part in every])
+        bundle["fingerprints"] = fingerprints
+        # Everyone is here and alive before Orbax's own barriers (their timeout is Orbax's).
+        coordination.barrier(f"save{save}/start", f"the save of checkpoint {step}")
+        coordination.forget(f"save{save}")  # every process has read every part now
         ocp = self._ocp
         self._manager.save(
             step,
             args=ocp.args.Composite(
                 **{
-                    _STATE_ITEM: ocp.args.StandardSave(state),
+                    _STATE_ITEM: ocp.args.StandardSave(snapshot.plain),
                     _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
                 }
             ),
@@ -315,7 +350,7 @@ class Checkpointer:
         its first batch, and the loop continues from the step (`loop.resume_from`: its
         history and hook states come back; inside a run, the run goes on from there). The
         dataset position is applied at the start of the next run. With `step=None`, a
-        damaged checkpoint (unreadable, not matching its checksums, or holding NaN or
+        damaged checkpoint (unreadable, not matching its fingerprints, or holding NaN or
         infinite values) is moved to `<directory>/damaged/` with a warning naming it and
         why, and the next newest is tried.
 
@@ -324,12 +359,21 @@ class Checkpointer:
 
         Raises:
           NoGoodCheckpointError: checkpoints exist (or were set aside) but none is good.
-          ValueError: `step` is not on disk, or its arrays do not fit the model.
-          DamagedCheckpointError: checkpoint `step` (given) is damaged.
+          ValueError: `step` is not on disk, or its arrays do not fit the model, or it was
+            saved by another number of processes whose data positions differ (both counts
+            named; raised on every process).
+          DamagedCheckpointError: checkpoint `step` (given) is damaged (on any process).
+          CoordinationError: another process did not answer within `barrier_timeout`.
         """
         self.wait()
         if step is None:
-            found = read_newest_good(self._manager, self._ocp, self.directory)
+            found = read_newest_good(
+                self._manager,
+                self._ocp,
+                self.directory,
+                coordination=self.coordination,
+                key=f"restore{next(self._exchanges)}",
+            )
             if found is None:
                 damaged = set_aside_entries(self.directory)
                 if damaged:
@@ -347,14 +391,26 @@ class Checkpointer:
                     f"no checkpoint of step {step} in {str(self.directory)!r}; "
                     f"there are {self.all_steps()}"
                 )
-            state, bundle = read(self._manager, self._ocp, step)
+            state, bundle = read_agreed(
+                self._manager,
+                self._ocp,
+                step,
+                self.coordination,
+                f"restore{next(self._exchanges)}",
+            )
         where = f"checkpoint {str(self.directory / str(step))!r}"
+        coordination = self.coordination
+        # Checked on every process alike, before anything changes: a count that does not map
+        # raises everywhere.
+        positions = positions_for(
+            bundle, coordination.process_index, coordination.process_count, where
+        )
         state = named_train_metrics(state, bundle["version"], self.trainer.train_metric_state_names)
         self.trainer.load_state_dict(state, where=where)
         # loopax 0.1 kept only the trigger states, under "triggers".
         loop_state = bundle.get("loop", {"hooks": bundle.get("triggers", {})})
         if not self.loop.running:
-            self._pending_datasets = bundle.get("datasets", {})
+            self._pending_datasets = positions
         self._last_saved_step = step
         self.restored_step = step
         self.loop.checkpointed_step = step
@@ -381,23 +437,20 @@ class Checkpointer:
         Registered at `Priority.VALIDATE`, before the other OnStart hooks, so that they see
         the restored position. Warns (and leaves the dataset where it is) when the
         checkpoint holds the position of another dataset or the dataset has no `set_state`.
+        With several processes each takes its own position, and if any process's dataset
+        refuses its position, every process raises.
         """
         self._dataset = dataset
         saved, self._pending_datasets = self._pending_datasets, None
-        if not saved:
+        if saved is None:
             return
-        name = getattr(dataset, "name", "dataset")
-        if name in saved and callable(getattr(dataset, "set_state", None)):
-            dataset.set_state(saved[name])
-        else:
-            warnings.warn(
-                f"the checkpoint of step {self.restored_step} holds the position of dataset(s) "
-                f"{sorted(saved)}, but this run trains on {name!r}"
-                f"{'' if callable(getattr(dataset, 'set_state', None)) else ' (no set_state)'}; "
-                "it starts where it is, so the batches differ from an uninterrupted run",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        apply_positions(
+            dataset,
+            saved,
+            self.restored_step,
+            self.coordination,
+            f"positions{next(self._exchanges)}",
+        )
 
     def save_on_trigger(self, loop: Loop, metrics: Any) -> None:
         """OnStep (or OnEpochEnd) at the steps of a save schedule: `save()`.

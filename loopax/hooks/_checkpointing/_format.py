@@ -4,10 +4,19 @@ The state is saved in its plain form (`Trainer.state_dict()`: nested dicts keyed
 names in the `TrainState`), so that it reads back into host arrays without knowing the
 model, onto any device count, and is then matched name by name against the model's state.
 
-Format versions: 2 keys the train metric states by name (`train_metrics/moving_average_loss`,
-`train_metrics/<metric name>`); 1 kept them by position (`train_metrics/0` the loss's moving
-average, then the compiled train metrics in the trainer's order). Version 1 is still read:
-`named_train_metrics` turns its state into version 2's.
+Format versions:
+- 3 checks each array with a fingerprint that does not depend on its layout
+  (`_fingerprint`: `"fingerprints": {"params/Dense_0/kernel": "float32[2,1]:1a2b3c4d"}`),
+  computed where the arrays lie, so a checkpoint written by several processes is verified on
+  any topology; and it keeps every process's dataset positions (`"process_datasets"`: one
+  dict per process, in process order; `"num_processes"`); `"datasets"` stays process 0's.
+- 2 keys the train metric states by name (`train_metrics/moving_average_loss`,
+  `train_metrics/<metric name>`); its arrays carry CRC-32 `"checksums"` of their host bytes
+  and its `"datasets"` is one process's dict.
+- 1 kept them by position (`train_metrics/0` the loss's moving average, then the compiled
+  train metrics in the trainer's order).
+Versions 1 and 2 are still read (and verified with their CRC-32): `named_train_metrics`
+turns version 1's state into the named form and `dataset_positions` reads every version's.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from typing import Any
 from ... import _validate
 
 FORMAT = "loopax.checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STATE_ITEM = "state"
 BUNDLE_ITEM = "loopax"
 DAMAGED_DIR = "damaged"
@@ -65,11 +74,23 @@ def check_directory(directory: Path) -> None:
 
 
 def make_bundle(
-    step: int, *, num_devices: int, loop_state: dict, datasets: dict, best_metric: dict | None
+    step: int,
+    *,
+    num_devices: int,
+    loop_state: dict,
+    datasets: list[dict],
+    best_metric: dict | None,
 ) -> dict[str, Any]:
     """The JSON description saved beside the arrays of checkpoint `step`.
 
-    The writer adds the arrays' checksums.
+    Args:
+      step: the global step.
+      num_devices: the devices a batch was split over.
+      loop_state: `Loop.get_state()`.
+      datasets: each process's dataset positions (`{name: get_state()}`), in process order.
+      best_metric: `{best_metric: value}`, or None.
+
+    The writer adds the arrays' fingerprints.
 
     Raises:
       TypeError: a dataset's or a hook's state is not JSON.
@@ -79,8 +100,10 @@ def make_bundle(
         "version": VERSION,
         "global_step": step,
         "num_devices": num_devices,
+        "num_processes": len(datasets),
         "loop": loop_state,
-        "datasets": datasets,
+        "datasets": datasets[0],
+        "process_datasets": datasets,
         "best_metric": best_metric,
         "saved_at": time.time(),
     }
@@ -119,3 +142,50 @@ def named_train_metrics(state: dict, version: int, names: Sequence[str]) -> dict
         for index, key in enumerate(sorted(by_position, key=int))
     }
     return {**state, "train_metrics": named}
+
+
+def with_positions(bundle: dict, positions: list[dict]) -> dict:
+    """`bundle` holding every process's dataset positions (in process order)."""
+    return {
+        **bundle,
+        "num_processes": len(positions),
+        "datasets": positions[0],
+        "process_datasets": positions,
+    }
+
+
+def dataset_positions(bundle: dict) -> list[dict]:
+    """Each saving process's dataset positions (`{name: state}`), in process order.
+
+    Versions 1 and 2 kept one process's (process 0's): a list of one.
+    """
+    every = bundle.get("process_datasets")
+    if isinstance(every, list) and every:
+        return [entry or {} for entry in every]
+    return [bundle.get("datasets") or {}]
+
+
+def positions_for(bundle: dict, process_index: int, process_count: int, where: str) -> dict:
+    """The dataset positions that process `process_index` of `process_count` resumes from.
+
+    The same process count: each process its own. Another count: the one position every
+    saving process shared (a checkpoint of one process, or processes that all read the same
+    data), which maps to any count.
+
+    Raises:
+      ValueError: the process count changed and the saved positions differ between
+        processes, so they do not map to the new count (naming both counts).
+    """
+    positions = dataset_positions(bundle)
+    if len(positions) == process_count:
+        return positions[process_index]
+    if all(entry == positions[0] for entry in positions):
+        return positions[0]
+    raise ValueError(
+        f"{where} was saved by {len(positions)} processes, each at its own data position, "
+        f"and this run has {process_count} processes: a position of one of {len(positions)} "
+        f"processes does not map to one of {process_count}. Resume on {len(positions)} "
+        "processes, or give every process the same dataset (its positions are then shared), "
+        "or attach the checkpoint hook with restore='never' and start from "
+        "loopax.load_params(...)"
+    )

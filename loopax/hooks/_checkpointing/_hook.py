@@ -11,7 +11,9 @@ import jax  # noqa: F401  (the doctest's namespace)
 from ...loop import Loop, Priority
 from .._schedules import EveryNEpochs, EveryNSteps, Periodic
 from .._triggers import on_schedule
+from ._agreed import AgreedSchedule
 from ._checkpointer import Checkpointer
+from ._coordination import DEFAULT_TIMEOUT_SECONDS
 
 
 def checkpoint(
@@ -29,6 +31,7 @@ def checkpoint(
     restore: bool | str = True,
     async_save: bool = True,
     clock: Callable[[], float] = time.monotonic,
+    barrier_timeout: float = DEFAULT_TIMEOUT_SECONDS,
 ) -> Checkpointer:
     """Checkpoints the loop's training to `directory` with Orbax and resumes from it.
 
@@ -51,6 +54,15 @@ def checkpoint(
     every step that is a multiple of `keep_period`. A failed background save (a read-only
     directory, a full disk) raises at the next step.
 
+    Several processes (after `jax.distributed.initialize`): attach the hook in every process,
+    with the same arguments. Each process saves its own shards of the state in the
+    background; the processes agree through JAX's coordination service (never a device
+    collective off the training thread), and a process that stops answering makes the others
+    raise within `barrier_timeout`, naming it. Each process's dataset position is kept and
+    restored to it; process 0's clock decides the `period_seconds` saves for all. A
+    checkpoint restores onto any number of processes and devices; positions that differ
+    between processes restore only onto the same process count.
+
     Args:
       loop: the `loopax.Loop`.
       directory: where the checkpoints go; created if missing. It must hold nothing but
@@ -71,15 +83,19 @@ def checkpoint(
       restore: True or `"latest"` restores the newest good checkpoint now; False or
         `"never"` does not (and starts fresh even beside damaged checkpoints).
       async_save: save in the background (False blocks the loop until each save is written).
-      clock: the clock of `period_seconds`, in seconds.
+      clock: the clock of `period_seconds`, in seconds (read on process 0 only when there
+        are several processes).
+      barrier_timeout: with several processes, how many seconds a process waits for the
+        others at each agreement of a save or a restore before raising `CoordinationError`.
 
     Returns:
       The `Checkpointer`, for `save()`, `restore(step)`, `restore_best()`, `best_step()`,
       `latest_step()`, `all_steps()` and `wait()`.
 
     Raises:
-      ValueError: a bad count, `best_mode`, `best_metric` or `restore`, or a directory
-        holding something that is not a loopax checkpoint.
+      ValueError: a bad count, `best_mode`, `best_metric`, `restore` or `barrier_timeout`,
+        a directory holding something that is not a loopax checkpoint, or a checkpoint whose
+        per-process data positions do not map to this run's process count.
       NoGoodCheckpointError: every checkpoint in the directory is damaged.
 
     Example:
@@ -118,7 +134,15 @@ def checkpoint(
         keep_best=keep_best,
         keep_period=keep_period,
         async_save=async_save,
+        barrier_timeout=barrier_timeout,
     )
+    if not checkpointer.coordination.single:
+        schedules = [
+            AgreedSchedule(schedule, checkpointer.coordination, f"schedule{index}")
+            if schedule.time_based
+            else schedule
+            for index, schedule in enumerate(schedules)
+        ]
     for schedule in schedules:
         # `save` checks the losses itself, first (a nan_guard may roll back there).
         on_schedule(

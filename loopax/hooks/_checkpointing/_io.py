@@ -1,9 +1,12 @@
 """Reading, verifying and setting aside loopax checkpoints.
 
-A checkpoint is good only if its description is a loopax one for its step, every array's
-checksum (CRC-32 of shape, dtype and bytes, written by the background writer) matches, and
-every float array is finite. Anything else makes it damaged: it is moved to
-`<directory>/damaged/` (never deleted) and the next newest is tried.
+A checkpoint is good only if its description is a loopax one for its step, every array
+matches what was written with it (version 3: its layout-independent fingerprint, see
+`_fingerprint`; versions 1 and 2: the CRC-32 of its shape, dtype and bytes), and every float
+array is finite. Anything else makes it damaged: it is moved to `<directory>/damaged/` (never
+deleted) and the next newest is tried. With several processes every process reads and checks
+each candidate, and they agree: a checkpoint that any process finds damaged is set aside
+for all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import jax
 import numpy as np
 
 from ...loop._internal import first_non_finite, tree_paths
+from ._coordination import Coordination
+from ._fingerprint import host_fingerprint
 from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, READABLE_VERSIONS, STATE_ITEM
 
 
@@ -36,21 +41,36 @@ def checksums(plain: dict) -> dict[str, str]:
     return result
 
 
-def verify(plain: dict, bundle: dict) -> None:
-    """Raises `DamagedCheckpointError` unless `plain` matches `bundle`'s checksums and is finite.
+def fingerprints(plain: dict) -> dict[str, str]:
+    """`{"params/Dense_0/kernel": "float32[2,1]:1a2b3c4d", ...}`: each host array's fingerprint."""
+    return {"/".join(path): host_fingerprint(leaf) for path, leaf in tree_paths(plain)}
 
-    Every float must be finite. Checkpoints of loopax 0.1 have no checksums: only finiteness is
-    checked for them.
+
+def _shown(saved: str | None, read: str | None) -> tuple[str | None, str | None]:
+    """Both values, without the `dtype[shape]:` they share (so the digits stand out)."""
+    if saved and read and ":" in saved and saved.rsplit(":", 1)[0] == read.rsplit(":", 1)[0]:
+        return saved.rsplit(":", 1)[1], read.rsplit(":", 1)[1]
+    return saved, read
+
+
+def verify(plain: dict, bundle: dict) -> None:
+    """Raises `DamagedCheckpointError` unless `plain` matches what `bundle` says and is finite.
+
+    A description with CRC-32 `checksums` (versions 1 and 2) is checked with them, one with
+    `fingerprints` (version 3) with those. Every float must be finite. Checkpoints of loopax
+    0.1 have no checksums: only finiteness is checked for them.
     """
-    expected = bundle.get("checksums")
+    expected, compute = bundle.get("checksums"), checksums
+    if expected is None:
+        expected, compute = bundle.get("fingerprints"), fingerprints
     if expected is not None:
-        actual = checksums(plain)
+        actual = compute(plain)
         for name in sorted(set(expected) | set(actual)):
             if expected.get(name) != actual.get(name):
+                saved, read = _shown(expected.get(name), actual.get(name))
                 raise DamagedCheckpointError(
                     f"array {name!r} does not match the checksum written with it (saved "
-                    f"{expected.get(name)}, read {actual.get(name)}): its files were changed or "
-                    "corrupted on disk"
+                    f"{saved}, read {read}): its files were changed or corrupted on disk"
                 )
     bad = first_non_finite(plain)
     if bad is not None:
@@ -119,31 +139,92 @@ def set_aside_entries(directory: Path) -> list[str]:
     return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
 
+def read_agreed(
+    manager: Any, ocp: Any, step: int, coordination: Coordination, key: str
+) -> tuple[dict, dict]:
+    """`read` on every process; every process raises if it failed on any.
+
+    Raises:
+      DamagedCheckpointError: it could not be read or checked (on any process).
+      CoordinationError: another process did not answer within the timeout.
+    """
+    found = _read_checked(manager, ocp, step)
+    if coordination.single:
+        if isinstance(found, BaseException):
+            raise found
+        return found
+    error = f"{type(found).__name__}: {found}" if isinstance(found, BaseException) else None
+    verdicts = coordination.all_gather(
+        f"{key}/{step}", error, f"checking checkpoint {step} on every process"
+    )
+    failed = [(process, v) for process, v in enumerate(verdicts) if v is not None]
+    if failed:
+        process, message = failed[0]
+        raise DamagedCheckpointError(
+            f"checkpoint {step} could not be read or checked on process {process}: {message}"
+        ) from (found if isinstance(found, BaseException) else None)
+    assert not isinstance(found, BaseException)
+    return found
+
+
+def _read_checked(manager: Any, ocp: Any, step: int) -> tuple[dict, dict] | BaseException:
+    try:
+        return read(manager, ocp, step)
+    except Exception as err:  # any failure to read makes it unusable
+        return err
+
+
 def read_newest_good(
-    manager: Any, ocp: Any, directory: Path, *, move_damaged: bool = True, stacklevel: int = 4
+    manager: Any,
+    ocp: Any,
+    directory: Path,
+    *,
+    move_damaged: bool = True,
+    stacklevel: int = 4,
+    coordination: Coordination | None = None,
+    key: str = "restore",
 ) -> tuple[int, dict, dict] | None:
     """`(step, state, bundle)` of the newest good checkpoint, or None when none is.
 
     Every newer damaged one draws a warning naming it and why, and is moved to
     `<directory>/damaged/` (with `move_damaged`; else left where it is, for a reader).
+    With a `coordination` of several processes, every process checks each candidate and
+    they agree (exchanges named `key`): one that any process found damaged is damaged for
+    all, process 0 moves it, and every process waits for that before reading on.
+
+    Raises:
+      CoordinationError: another process did not answer within the timeout.
     """
+    together = coordination is not None and not coordination.single
     for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            state, bundle = read(manager, ocp, step)
-        except Exception as err:  # any failure to read makes it unusable: fall back
-            moved = set_aside(directory, step) if move_damaged else None
-            kept = f"moved to {str(moved)!r}" if moved else "left in place"
-            warnings.warn(
-                f"checkpoint {str(directory / str(step))!r} is damaged "
-                f"({type(err).__name__}: {err}); falling back: reading the next newest. "
-                f"It was not deleted: it was {kept}",
-                RuntimeWarning,
-                stacklevel=stacklevel,
+        found = _read_checked(manager, ocp, step)
+        error = f"{type(found).__name__}: {found}" if isinstance(found, BaseException) else None
+        if together:
+            assert coordination is not None
+            verdicts = coordination.all_gather(
+                f"{key}/{step}", error, f"checking checkpoint {step} on every process"
             )
-            if move_damaged:  # on every process: process 0 moved it
-                manager.reload()
-            continue
-        return step, state, bundle
+            failed = [(process, v) for process, v in enumerate(verdicts) if v is not None]
+            if failed and error is None:
+                process, error = failed[0]
+                error = f"on process {process}: {error}"
+        if error is None:
+            assert not isinstance(found, BaseException)
+            return step, *found
+        moved = set_aside(directory, step) if move_damaged else None
+        kept = "moved aside" if together and move_damaged else "left in place"
+        kept = f"moved to {str(moved)!r}" if moved else kept
+        warnings.warn(
+            f"checkpoint {str(directory / str(step))!r} is damaged ({error}); falling back: "
+            f"reading the next newest. It was not deleted: it was {kept}",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+        if move_damaged:  # on every process: process 0 moved it
+            if together:
+                assert coordination is not None
+                coordination.barrier(f"{key}/{step}/moved", f"setting checkpoint {step} aside")
+            manager.reload()
     return None
 
 
@@ -176,11 +257,16 @@ def open_manager(
     keep_best: int = 1,
     keep_period: int | None = None,
     create: bool = True,
+    barrier_prefix: str | None = None,
 ) -> Any:
     """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention.
 
     It keeps the newest `keep`, the `keep_best` best by `best_metric`, multiples of `keep_period`;
     by default everything (a reader's manager deletes nothing).
+
+    With several processes Orbax's barriers go through the coordination service (named with
+    `barrier_prefix`), not through a device collective, so a save can run beside the
+    training thread's steps; the directory must then exist already (Orbax creates none).
     """
     from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
@@ -196,13 +282,20 @@ def open_manager(
         )
     if keep_period is not None:
         preserve.append(policies.EveryNSteps(interval_steps=keep_period))
+    processes = jax.process_count()
+    every_process = ocp.options.MultiprocessingOptions(
+        primary_host=0,
+        active_processes=set(range(processes)) if processes > 1 else None,
+        barrier_sync_key_prefix=barrier_prefix if processes > 1 else None,
+    )
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policies.AnyPreservationPolicy(preserve),
+        multiprocessing_options=every_process,
         # The loopax writer thread makes the whole save, so Orbax itself saves synchronously.
         enable_async_checkpointing=False,
         # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
         cleanup_tmp_directories=create,
-        create=create,
+        create=create and processes == 1,
         read_only=not create,
     )
     return ocp.CheckpointManager(

@@ -1,0 +1,135 @@
+"""What a save takes from the trainer on the training thread, and what the writer makes of it.
+
+One process: the state's host copy (`Trainer.state_dict()`), as always; its fingerprints are
+computed on the writer thread from those copies. Several processes: the arrays that span
+processes are never brought whole to one host: the training thread starts a copy of them
+on their own devices (the next step donates the state's buffers, the copy stays) and each
+device's part of their fingerprints and finite checks; Orbax then writes, on the writer
+thread, each process's own shards. Whatever any process holds whole (the RNG key) is copied
+to the host. No device program here has a collective: a collective dispatched beside the
+training steps could interleave with theirs differently on each process (gloo then fails
+or hangs); the parts are added up on the hosts, through the coordination service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...loop._internal import tree_paths
+from ...trainer import Trainer
+from ._fingerprint import combine, describe, device_checks, host_fingerprint, local_checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The state of one save as taken on the training thread.
+
+    Attributes:
+      plain: the state in plain form (nested dicts): host arrays and, with several
+        processes, device copies of the arrays spread over processes.
+      device_paths: the paths (`"params/Dense_0/kernel"`) of the device copies, in the
+        order of `checks`.
+      checks: each device's part of the fingerprint and finite check of each device copy,
+        being computed on the devices.
+    """
+
+    plain: dict
+    device_paths: tuple[str, ...] = ()
+    checks: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=8)
+def _copier(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+    """A compiled copy that keeps each array's sharding (no data moves between devices)."""
+    return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
+
+
+def _copy(arrays: list[jax.Array]) -> list[jax.Array]:
+    return _copier(tuple(x.sharding for x in arrays))(arrays)
+
+
+def _nest(flat: list[tuple[tuple[str, ...], Any]]) -> dict:
+    plain: dict = {}
+    for path, leaf in flat:
+        node = plain
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = leaf
+    return plain
+
+
+def take(trainer: Trainer) -> Snapshot:
+    """The trainer's state for a save, taken now on the training thread.
+
+    Raises:
+      RuntimeError: the trainer has no state yet.
+    """
+    if jax.process_count() == 1:
+        state = trainer.state_dict()
+        if state is None:
+            raise RuntimeError("the trainer has no state yet")
+        return Snapshot(state)
+    state = trainer.state
+    if state is None:
+        raise RuntimeError("the trainer has no state yet")
+    host, spread = [], []
+    for path, leaf in tree_paths(state):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            if not isinstance(leaf.sharding, jax.sharding.NamedSharding):
+                raise TypeError(
+                    f"cannot checkpoint {'/'.join(path)!r}: it spans processes with a "
+                    f"{type(leaf.sharding).__name__}; loopax saves arrays placed with a "
+                    "jax.sharding.NamedSharding"
+                )
+            spread.append((path, leaf))
+        elif leaf is not None:
+            # A real copy: on CPU `device_get` may return a view of a donated buffer.
+            host.append((path, np.array(leaf)))
+    if not spread:
+        return Snapshot(_nest(host))
+    copies = _copy([leaf for _, leaf in spread])
+    checks = device_checks(copies)
+    return Snapshot(
+        _nest(host + [(path, copy) for (path, _), copy in zip(spread, copies, strict=True)]),
+        tuple("/".join(path) for path, _ in spread),
+        checks,
+    )
+
+
+def local_part(snapshot: Snapshot) -> dict[str, Any]:
+    """This process's part of the device checks (JSON), read on the writer thread."""
+    sums, finite = local_checks(snapshot.checks)
+    return {"sums": sums, "finite": finite}
+
+
+def check(snapshot: Snapshot, parts: list[dict[str, Any]]) -> tuple[dict[str, str], str | None]:
+    """`(fingerprints by path, the first path holding NaN or infinity or None)`.
+
+    Run on the writer thread: the host arrays' fingerprints are computed here; the device
+    copies' from every process's `local_part` (`parts`, in process order).
+    """
+    device = set(snapshot.device_paths)
+    fingerprints, bad = {}, None
+    for path, leaf in tree_paths(snapshot.plain):
+        name = "/".join(path)
+        if name in device:
+            continue
+        fingerprints[name] = host_fingerprint(leaf)
+        array = np.asarray(leaf)
+        if bad is None and np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
+            bad = name
+    if snapshot.device_paths:
+        sums, finite = combine([(part["sums"], part["finite"]) for part in parts])
+        leaves = dict(tree_paths(snapshot.plain))
+        for index, name in enumerate(snapshot.device_paths):
+            leaf = leaves[tuple(name.split("/"))]
+            fingerprints[name] = describe(leaf.dtype, leaf.shape, sums[index])
+            if bad is None and not finite[index]:
+                bad = name
+    return dict(sorted(fingerprints.items())), bad
