@@ -11,6 +11,7 @@ import types
 from typing import TYPE_CHECKING
 
 from ._params import load_params as load_params
+from ._public import show_errors_under
 from .data import ArrayDataset as ArrayDataset
 from .data import Dataset as Dataset
 from .data import IterableDataset as IterableDataset
@@ -69,8 +70,4 @@ __all__ = [
     "testing",
 ]
 
-# Public errors show where users import them from (`loopax.HookError: ...` in a traceback),
-# not the private module that defines them.
-for _error in (HookError, NonFiniteLossError):
-    _error.__module__ = __name__
-del _error
+show_errors_under(__name__, globals())  # `loopax.HookError: ...` in a traceback

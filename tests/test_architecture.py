@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(loopax.__file__).parent
 FLOORS = {
     "_devices": 0,
     "_validate": 0,
+    "_public": 0,
     "_warnings": 0,
     "metrics": 1,
     "losses": 1,

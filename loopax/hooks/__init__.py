@@ -1,5 +1,6 @@
 """Schedules, trigger helpers and ready hooks for `loopax.Loop`."""
 
+from .._public import show_errors_under
 from ..loop import Schedule as Schedule
 from ..loop._internal import AnyOf as AnyOf
 from ._checkpointing._checkpointer import Checkpointer as Checkpointer
@@ -106,7 +107,4 @@ __all__ = [
     "write_metrics",
 ]
 
-# Public errors show where users import them from (`loopax.hooks.BackgroundSaveError: ...`).
-for _error in (BackgroundSaveError, DamagedCheckpointError, NoGoodCheckpointError):
-    _error.__module__ = __name__
-del _error
+show_errors_under(__name__, globals())  # `loopax.HookError: ...` in a traceback
