@@ -105,10 +105,11 @@ class Runner:
         On several processes, after the step all of them agree on (`StopAgreement`): the
         steps stop at once, to propose it.
         """
-        self.stop_requested = True
         if self._agreement is not None:
-            self._agreement.want(reason, signum)
+            if self._agreement.want(reason, signum):
+                self.stop_requested = True  # out of the steps, to propose the stop now
             return
+        self.stop_requested = True
         self.stop_reason = reason
 
     def report_error(self, error: BaseException) -> None:
@@ -369,6 +370,8 @@ class Runner:
         agreement = self._agreement
         while True:
             indicator = self._finite.indicator
+            if agreement is not None:  # several processes: not past a stop they agreed on
+                stop_step = self._agreed_stop_step(agreement, self.loop_step - 1, stop_step)
             while self.loop_step < stop_step and not self.stop_requested:
                 started = clock()
                 first = self.loop_step
@@ -428,11 +431,8 @@ class Runner:
             if hooks.halted:
                 hooks.halted = False
                 continue
-            if agreement is None or self._stops_here():
-                return False
-            # Several processes: on to the agreed stop, or to the run's end.
-            stop_step = self._agreed_stop_step(agreement, self.loop_step - 1, stop_step)
-            if self.loop_step >= stop_step:
+            # Several processes: a stop asked, not at its agreed step yet, goes on to it.
+            if agreement is None or self._stops_here() or self.loop_step >= stop_step:
                 return False
 
     def _end_run(self) -> Metrics:

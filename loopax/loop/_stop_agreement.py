@@ -112,10 +112,13 @@ class StopAgreement:
         if self._seen is None:
             self._seen = seen
 
-    def want(self, reason: str, signum: int | None) -> None:
-        """Asks for a stop; the next `poll` proposes it, unless one is agreed already."""
-        if self._seen is None and (self._wish is None or signum is not None):
+    def want(self, reason: str, signum: int | None) -> bool:
+        """Asks for a stop; the next `poll` proposes it. False if one is agreed already."""
+        if self._seen is not None:
+            return False
+        if self._wish is None or signum is not None:
             self._wish = (reason, signum)  # a signal's wish outranks a plain request's
+        return True
 
     @property
     def agreed(self) -> AgreedStop | None:

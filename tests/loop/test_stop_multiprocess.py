@@ -8,7 +8,7 @@ from loopax.testing import Processes, multiprocess
 FOREVER = 10**6
 
 
-def _loop(seed_offset=0):
+def _loop(loop_forever=True):
     import jax
     import numpy as np
     import optax
@@ -21,9 +21,11 @@ def _loop(seed_offset=0):
         optax.sgd(0.01),
         devices=jax.devices(),
     )
-    rng = np.random.default_rng(jax.process_index() + seed_offset)
+    rng = np.random.default_rng(jax.process_index())
     x = rng.normal(size=(64, 3)).astype(np.float32)
-    data = loopax.ArrayDataset(x, x.sum(axis=1, keepdims=True), batch_size=8, loop_forever=True)
+    data = loopax.ArrayDataset(
+        x, x.sum(axis=1, keepdims=True), batch_size=8, loop_forever=loop_forever
+    )
     return loopax.Loop(trainer), data
 
 
@@ -63,14 +65,14 @@ def resume(directory):
 
 
 def stop_on_one_process(stop_at):
-    """Two runs (a fresh key each): one step per call, then fused groups of 4."""
+    """Three runs (a fresh key each): one step per call, fused groups of 4, then epochs."""
     import jax
 
     import loopax
 
     results = []
-    for steps_per_execution in (1, 4):
-        loop, data = _loop()
+    for steps_per_execution, epochs in ((1, None), (4, None), (1, 100)):
+        loop, data = _loop(loop_forever=epochs is None)
         loop = loopax.Loop(loop.trainer, steps_per_execution=steps_per_execution)
         start = loop.trainer.global_step
 
@@ -79,7 +81,10 @@ def stop_on_one_process(stop_at):
                 loop.request_stop("enough on process 1")
 
         loop.on_step("stop", stop)
-        loop.run_steps(data, 1000)
+        if epochs is None:
+            loop.run_steps(data, 1000)
+        else:  # 8 batches an epoch: the agreed stop lies some epochs on
+            loop.run_epochs(data, epochs)
         results.append({"steps": loop.trainer.global_step - start, "reason": loop.stop_reason})
     return results
 
