@@ -76,13 +76,14 @@ class StopAgreement:
       client: JAX's distributed client (`jax._src.distributed.global_state.client`).
       process: this process's index.
       margin: steps from a proposer's step to the stop step.
+      key: the run's key in the store, the same on every process and new for every run.
     """
 
-    def __init__(self, client: Any, process: int, margin: int):
+    def __init__(self, client: Any, process: int, margin: int, key: str):
         self._client = client
         self._process = process
         self.margin = margin
-        self._key = _KEY.format(run=next(_RUNS))
+        self._key = key
         self._wish: tuple[str, int | None] | None = None
         self._seen: AgreedStop | RunEnded | None = None
         self._watch_error: BaseException | None = None
@@ -101,7 +102,7 @@ class StopAgreement:
             return None
         import jax  # noqa: PLC0415
 
-        return cls(client, jax.process_index(), margin)
+        return cls(client, jax.process_index(), margin, _KEY.format(run=next(_RUNS)))
 
     def _watch(self) -> None:
         try:
