@@ -94,6 +94,7 @@ class Runner:
         # another's dispatched steps; twice that, and one, is past any process's first look.
         self._stop_margin = (2 * self._in_flight.limit + 3) * steps_per_execution
         self._agreement: StopAgreement | None = None  # during a run on several processes
+        self._stop_adopted = False  # whether the run's steps go to the agreed stop already
         self._interrupts = Interrupts(self._on_signal)
         self._iterable = RunIterable()
 
@@ -234,7 +235,8 @@ class Runner:
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
             self._loop_metrics.resolve_logs(NEVER)
-        if self._agreement is not None and self._agreement.poll(self.loop_step) is not None:
+        agreement = self._agreement
+        if agreement is not None and not self._stop_adopted and agreement.poll(self.loop_step):
             self.stop_requested = True  # out of the steps, to go on to the agreed one
 
     def _agreed_stop_step(self, agreement: StopAgreement, step: int, stop_step: int) -> int:
@@ -249,6 +251,7 @@ class Runner:
                 "the processes were further apart than their steps in flight allow (does "
                 "every step hold a collective over the processes' devices?)"
             )
+        self._stop_adopted = True
         return min(stop_step, agreed.step + 1)
 
     def _stops_here(self) -> bool:
@@ -278,8 +281,9 @@ class Runner:
     def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
         if self.running:
             raise RuntimeError("this Loop is already running; a hook cannot start another run")
-        self.running = True
         self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
+        self._stop_adopted = False
+        self.running = True
         try:
             with self._interrupts:
                 self._start_run(dataset, end_step)
