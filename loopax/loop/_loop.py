@@ -47,6 +47,8 @@ class Loop:
     OnEnd. A non-finite loss stops the run with `NonFiniteLossError` naming the first bad
     step. SIGINT and SIGTERM during a run finish the current step, run the OnEnd hooks
     (so a checkpoint hook saves) and exit with one line; a second signal exits at once.
+    On several processes, a signal or `request_stop` on one stops all, after a step they
+    agree on a few steps later (through JAX's coordination service, at the settle points).
 
     Fused execution (`steps_per_execution=K > 1`): the loop reads up to K steps' batches,
     stacks them and runs them in one compiled program (`Trainer.train_steps`), with the

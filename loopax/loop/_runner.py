@@ -20,6 +20,7 @@ from ._hook import NEVER
 from ._hook_registry import HookRegistry
 from ._loop_metrics import GroupMetrics, LoopMetrics
 from ._signals import Interrupts, exit_interrupted, signal_name
+from ._stop_agreement import AgreedStop, StopAgreement
 
 Metrics = dict[str, Any]
 
@@ -88,13 +89,27 @@ class Runner:
         self._pending_error: BaseException | None = None
         self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
         self._in_flight = InFlight(limit_for(trainer.num_devices))
+        # Several processes: a process reads the agreed stop at its settle points, which come
+        # at most `limit + 1` dispatches apart, and no process runs more than that ahead of
+        # another's dispatched steps; twice that, and one, is past any process's first look.
+        self._stop_margin = (2 * self._in_flight.limit + 3) * steps_per_execution
+        self._agreement: StopAgreement | None = None  # during a run on several processes
+        self._stop_adopted = False  # whether the run's steps go to the agreed stop already
         self._interrupts = Interrupts(self._on_signal)
         self._iterable = RunIterable()
 
     # -- what the loop asks between steps -------------------------------------------------
 
-    def request_stop(self, reason: str) -> None:
-        """Ends the run after the current step's hooks."""
+    def request_stop(self, reason: str, signum: int | None = None) -> None:
+        """Ends the run after the current step's hooks.
+
+        On several processes, after the step all of them agree on (`StopAgreement`): the
+        steps stop at once, to propose it.
+        """
+        if self._agreement is not None:
+            if self._agreement.want(reason, signum):
+                self.stop_requested = True  # out of the steps, to propose the stop now
+            return
         self.stop_requested = True
         self.stop_reason = reason
 
@@ -181,7 +196,7 @@ class Runner:
         dataset = self._iterable.dataset(dataset, self._trainer)
         check_restartable(dataset, "run_epochs")
         with self._run(dataset, -1):
-            while self.epoch < epochs and not self.stop_requested:
+            while self.epoch < epochs and not self._stops_here():
                 self._epoch_batches = 0
                 if not self._train_until(dataset, NEVER):
                     break  # a stop was requested
@@ -210,7 +225,7 @@ class Runner:
         self._hooks.run_after_hooks()
 
     def _on_signal(self, signum: int) -> None:
-        self.request_stop(f"interrupted by {signal_name(signum)}")
+        self.request_stop(f"interrupted by {signal_name(signum)}", signum)
 
     def _settle(self) -> None:
         """Waits for every step in flight and checks their losses."""
@@ -220,6 +235,42 @@ class Runner:
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
             self._loop_metrics.resolve_logs(NEVER)
+        agreement = self._agreement
+        if agreement is not None and not self._stop_adopted and agreement.poll(self.loop_step):
+            self.stop_requested = True  # out of the steps, to go on to the agreed one
+
+    def _agreed_stop_step(self, agreement: StopAgreement, step: int, stop_step: int) -> int:
+        """`stop_step` brought to one past the agreed stop, if any; `step`: dispatched last."""
+        agreed = agreement.poll(step)
+        if agreed is None:
+            return stop_step
+        if step > agreed.step:
+            raise RuntimeError(
+                f"process {agreed.process} asked every process to stop after step "
+                f"{agreed.step} ({agreed.reason}), but this one had already run step {step}; "
+                "the processes were further apart than their steps in flight allow (does "
+                "every step hold a collective over the processes' devices?)"
+            )
+        self._stop_adopted = True
+        return min(stop_step, agreed.step + 1)
+
+    def _stops_here(self) -> bool:
+        """Between steps: whether the run ends at `loop_step` (a stop was asked or agreed).
+
+        On several processes only at the agreed step: it sets `stop_reason` to the agreed
+        reason, the same on every process.
+        """
+        agreement = self._agreement
+        if agreement is None:
+            return self.stop_requested
+        agreed = agreement.poll(self.loop_step)
+        self.stop_requested = False
+        if agreed is not None and self._agreed_stop_step(agreement, self.loop_step - 1, NEVER) <= (
+            self.loop_step
+        ):
+            self.stop_requested = True
+            self.stop_reason = _reason(agreed)
+        return self.stop_requested
 
     def _settle_between_steps(self) -> None:
         """`_settle` where no step is half done: a rollback it causes needs no skipping."""
@@ -230,6 +281,8 @@ class Runner:
     def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
         if self.running:
             raise RuntimeError("this Loop is already running; a hook cannot start another run")
+        self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
+        self._stop_adopted = False
         self.running = True
         try:
             with self._interrupts:
@@ -243,9 +296,21 @@ class Runner:
             raise
         finally:
             self.running = self._hooks.scheduling = False
+            agreed = self._close_agreement()
         signum = self._interrupts.received
+        if signum is None and agreed is not None and self.loop_step == agreed.step + 1:
+            signum = agreed.signum  # the signal another process got: every process exits so
         if signum is not None:
             exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
+
+    def _close_agreement(self) -> AgreedStop | None:
+        """Ends the run's agreement, if any; the stop it agreed on."""
+        agreement, self._agreement = self._agreement, None
+        if agreement is None:
+            return None
+        agreed = agreement.agreed
+        agreement.close()
+        return agreed
 
     def _start_run(self, dataset: Dataset, end_step: int) -> None:
         if self._pending_error is not None:
@@ -306,8 +371,11 @@ class Runner:
         push = self._in_flight.push
         record_duration = self._durations.append
         clock = time.perf_counter
+        agreement = self._agreement
         while True:
             indicator = self._finite.indicator
+            if agreement is not None:  # several processes: not past a stop they agreed on
+                stop_step = self._agreed_stop_step(agreement, self.loop_step - 1, stop_step)
             while self.loop_step < stop_step and not self.stop_requested:
                 started = clock()
                 first = self.loop_step
@@ -349,6 +417,8 @@ class Runner:
                     self._finite.verify(self._owner, window)
                     if loop_metrics.pending_logs:
                         loop_metrics.resolve_logs(window[-1][0])
+                    if agreement is not None:  # several processes: a settle point
+                        stop_step = self._agreed_stop_step(agreement, last, stop_step)
                 if not hooks.halted:
                     self.loop_step = last
                     hooks.step_hooks(metrics, last)
@@ -362,11 +432,21 @@ class Runner:
                 if ended:
                     return True
             self._settle()
-            if not hooks.halted:
+            if hooks.halted:
+                hooks.halted = False
+                continue
+            # Several processes: a stop asked, not at its agreed step yet, goes on to it.
+            if agreement is None or self._stops_here() or self.loop_step >= stop_step:
                 return False
-            hooks.halted = False
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
+
+
+def _reason(agreed: AgreedStop) -> str:
+    """The agreed stop's reason, as every process reports it."""
+    if agreed.signum is None:
+        return agreed.reason
+    return f"{agreed.reason} (on process {agreed.process})"

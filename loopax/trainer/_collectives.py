@@ -44,24 +44,32 @@ class Collectives:
         """Combines per-device partial metric states with `merge`, in device order.
 
         With `valid` (this device's bool scalar), the partials of devices whose `valid` is
-        False are left out of the fold; device 0's must be valid. Metrics need not know
-        about padding: a padding example's partial is computed, then never merged.
+        False are left out of the fold, which starts at the first valid one (at least one
+        must be). Metrics need not know about padding: a padding example's partial is
+        computed, then never merged.
         """
         if self.single:
             return partial
         gathered = jax.lax.all_gather(partial, AXIS)
-        valid_devices = None if valid is None else jax.lax.all_gather(valid, AXIS)
         result = jax.tree.map(lambda leaf: leaf[0], gathered)
-        for index in range(1, self.num_devices):
-            merged = merge(result, jax.tree.map(lambda leaf, i=index: leaf[i], gathered))
-            if valid_devices is not None:
+        parts = [
+            jax.tree.map(lambda leaf, i=i: leaf[i], gathered) for i in range(1, self.num_devices)
+        ]
+        if valid is None:
+            for part in parts:
+                result = merge(result, part)
+        else:
+            valid_devices = jax.lax.all_gather(valid, AXIS)
+            started = valid_devices[0]
+            for index, part in enumerate(parts, start=1):
                 # `where`, not arithmetic: a padding example's partial may be NaN or inf.
                 keep = valid_devices[index]
-                merged = jax.tree.map(
-                    lambda new, old, keep=keep: jnp.where(keep, new, old).astype(new.dtype),
-                    merged,
-                    result,
-                )
-            result = merged
+                result = _where(keep, _where(started, merge(result, part), part), result)
+                started = started | keep
         # The fold is identical on every device; pmax marks it replicated for shard_map.
         return jax.tree.map(lambda leaf: jax.lax.pmax(leaf, AXIS), result)
+
+
+def _where(condition: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where `condition`, else `old`, leaf by leaf, in `new`'s dtypes."""
+    return jax.tree.map(lambda a, b: jnp.where(condition, a, b).astype(a.dtype), new, old)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -14,6 +14,7 @@ from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
 from ._inflight import InFlight
 from ._named import named_metrics
 from ._program import EVAL, EVAL_UNEVEN
+from ._shares import masked_pieces, rounds, spans_processes
 
 if TYPE_CHECKING:
     from ._host_metrics import HostMetrics
@@ -78,8 +79,11 @@ class Evaluator:
         self.reset()
         in_flight = InFlight()
         values = None
-        for batch in read_batches(dataset, "evaluation"):
-            values = self.eval_step(*batch)
+        batches = read_batches(dataset, "evaluation")
+        if spans_processes(self._strategy.devices):
+            batches = self._shares(batches)
+        for batch in batches:
+            values = self.eval_step(*batch) if isinstance(batch, tuple) else batch
             in_flight.push(values["mean_loss"])
         if values is None:
             raise ValueError(
@@ -88,3 +92,28 @@ class Evaluator:
             )
         host_values = jax.device_get(values)
         return {name: float(host_values[name]) for name in self._names}
+
+    def _shares(self, batches: Iterable[Any]) -> Iterator[tuple | dict[str, jax.Array]]:
+        """Several processes: each batch, or the metrics of an uneven round, run on every process.
+
+        Processes with equal batches evaluate them as one process does; a round where the
+        processes' batch sizes differ (uneven shares, or a share used up) runs as pieces of one
+        shard per device, each all real or all padding (`_shares.masked_pieces`), so that every
+        example counts once and every process makes the same calls.
+        """
+        for round_ in rounds(iter(batches)):
+            batch = round_.batch
+            if round_.even:
+                yield (batch.spec, batch.inputs, batch.labels)
+                continue
+            values: dict[str, jax.Array] = {}
+            for inputs, labels, valid in masked_pieces(round_, self._strategy.local_devices):
+                if self._states is None:
+                    self._states = self._strategy.place_state(
+                        self._programs.steps.fresh_eval_metrics()
+                    )
+                self._states, outputs = self._programs.run_masked(
+                    batch.spec, inputs, labels, valid, self._states
+                )
+                values = named_metrics(self._names, outputs, self._host_or_none)
+            yield values

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from .._validate import positive_int
 from ..data._datasets import as_list, read_batches
 from ..data._iterables import is_dataset
 from ._program import PREDICT
+from ._shares import gather, rounds, spans_processes
 
 if TYPE_CHECKING:
     from ._parallel import Strategy
@@ -67,8 +69,9 @@ class Predictor:
                 "checkpoint (hooks.checkpoint), or give init_params= to the Trainer"
             )
         devices = self._strategy.local_devices
+        shares = spans_processes(self._strategy.devices)
         if is_dataset(x):
-            parts = self._predict_dataset(x, devices)
+            parts = self._predict_dataset(x, devices, shares)
         else:
             inputs = [np.asarray(a) for a in as_list(x)]
             sizes = {int(a.shape[0]) for a in inputs}
@@ -78,13 +81,18 @@ class Predictor:
                     "input needs one row per example"
                 )
             total = sizes.pop()
-            if batch_size is None:
-                batch_size = min(DEFAULT_BATCH_SIZE, max(total, 1))
+            if batch_size is None:  # on several processes, the same on all: their largest
+                largest = int(gather([total]).max()) if shares else total
+                batch_size = min(DEFAULT_BATCH_SIZE, max(largest, 1))
             size = math.ceil(positive_int("batch_size", batch_size) / devices) * devices
-            parts = [
-                self._predict_batch(spec, [a[start : start + size] for a in inputs], size)
+            batches = [
+                (spec, [a[start : start + size] for a in inputs], [])
                 for start in range(0, total, size)
             ]
+            if shares:
+                parts = self._predict_shares(iter(batches), devices, size)
+            else:
+                parts = [self._predict_batch(spec, batch, size) for spec, batch, _ in batches]
         if not parts:
             raise ValueError("predict got no examples")
         counts = sorted({len(part) for part in parts})
@@ -97,11 +105,32 @@ class Predictor:
         outputs = [np.concatenate(column) for column in zip(*parts, strict=True)]
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _predict_dataset(self, dataset: Any, devices: int) -> list[list[np.ndarray]]:
+    def _predict_dataset(self, dataset: Any, devices: int, shares: bool) -> list[list[np.ndarray]]:
         dataset.reset()
+        if shares:
+            return self._predict_shares(iter(read_batches(dataset, "prediction")), devices, None)
         parts = []
         for batch_spec, inputs, _ in read_batches(dataset, "prediction"):
             inputs = [np.asarray(a) for a in as_list(inputs)]
             size = math.ceil(int(inputs[0].shape[0]) / devices) * devices
             parts.append(self._predict_batch(batch_spec, inputs, size))
+        return parts
+
+    def _predict_shares(
+        self, batches: Iterator[tuple[Any, Any, Any]], devices: int, size: int | None
+    ) -> list[list[np.ndarray]]:
+        """Several processes: each process's batches in rounds all make the same calls in.
+
+        A round pads every process's batch to the same size (`size`, or its largest batch
+        rounded up to the devices); a process whose share is used up predicts padding and
+        keeps none of it.
+        """
+        parts = []
+        for round_ in rounds(batches):
+            count = int(round_.sizes[round_.process])
+            largest = int(round_.sizes.max())
+            padded = size or math.ceil(largest / devices) * devices
+            inputs = [np.asarray(a)[: max(count, 1)] for a in round_.batch.inputs]
+            part = self._predict_batch(round_.batch.spec, inputs, padded)
+            parts.append([output[:count] for output in part])
         return parts

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from ._batches import split_uneven_batch
 from ._gather import gathering, gathering_steps
@@ -199,6 +200,22 @@ EVAL_UNEVEN = dataclasses.replace(
     arguments=_pieces,
     model_inputs=_first_piece,
 )
+
+
+def _masked(strategy: Strategy, source: Any, leading: int) -> tuple:
+    """A batch laid out as one shard per device, each all real or all padding.
+
+    The third piece says which (`Programs.run_masked` passes the real flags; a program is
+    compiled from these, all True, as only their shapes count).
+    """
+    inputs, labels = source
+    every = np.ones(strategy.local_devices, bool)
+    return tuple(strategy.global_batch(piece) for piece in (inputs, labels, [every]))
+
+
+# Several processes with uneven evaluation shares: a batch whose devices' shards are each all
+# real or all padding (`eval_uneven`'s padded piece with any number of examples per device).
+EVAL_MASKED = dataclasses.replace(EVAL_UNEVEN, arguments=_masked, model_inputs=_first_batch)
 PREDICT = Program(
     name="predict",
     graph_type="predict",

@@ -16,7 +16,7 @@ from ..data._datasets import as_list
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._models import no_parameters_message
 from ._named import fused_metrics, named_metrics
-from ._program import STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
+from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
 from ._state import TrainState, from_plain, to_plain
 from ._steps import StepBuilder, StepConfig
 
@@ -163,6 +163,22 @@ class Programs:
         executor = self._cache.executor(program, spec, inputs, labels, build)
         arguments = program.arguments(self._strategy, (inputs, labels), 0)
         return executor.run(self._placed.placed, *states, *arguments)
+
+    def run_masked(
+        self, spec: Any, inputs: list, labels: list, valid: np.ndarray, states: Any
+    ) -> Any:
+        """Runs `EVAL_MASKED` on a batch of one shard per local device; its outputs.
+
+        `valid[i]` says whether local device i's shard holds real examples (else padding,
+        left out of every metric); `states` are the running eval metric states.
+        """
+        build = functools.partial(self._compile, states=(states,))
+        executor = self._cache.executor(
+            EVAL_MASKED, spec, inputs, labels, build, extra_key=EVAL_MASKED
+        )
+        strategy = self._strategy
+        pieces = (inputs, labels, [valid])
+        return executor.run(self._placed.placed, states, *map(strategy.global_batch, pieces))
 
     # -- compiling ------------------------------------------------------------------------
 

@@ -449,8 +449,8 @@ class Trainer:
     def evaluate(self, dataset: Dataset | Iterable[Any]) -> dict[str, float]:
         """Evaluates on every batch of `dataset`; returns example-weighted means.
 
-        Resets the dataset and the eval metrics first (not after). Every example the
-        dataset yields counts once, on any number of devices (see `eval_step`). A dataset
+        Resets the dataset and the eval metrics first (not after). Every example counts once,
+        on any devices (`eval_step`) and processes, even with uneven shares. A dataset
         that says it skips examples (`ArrayDataset` with `drop_remainder=True` and a
         size its batch size does not divide) draws a `RuntimeWarning` with the counts.
         An iterable of batches (a list, a grain `MapDataset`, `IterDataset` or
@@ -475,7 +475,7 @@ class Trainer:
         Args:
           x: the model's inputs: an array, a list of arrays (one per model input, the same
             first dimension), or a `Dataset` (its batches' inputs; labels are ignored; it is
-            reset first).
+            reset first). On several processes, each its own share (shares may differ).
           batch_size: examples per compiled call (default 256, or the whole input when
             smaller), rounded up to a multiple of the device count; the last batch is padded
             and the padding's predictions dropped, so each batch size compiles once. Ignored

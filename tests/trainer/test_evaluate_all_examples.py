@@ -393,7 +393,12 @@ def test_two_processes_evaluate_every_example_once(tmp_path):
             np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_with_different_batch_sizes_all_raise(tmp_path):
-    results = _run_workers(tmp_path, 2, [7, 5])  # last batches of 3 and 1 examples
+def test_two_processes_with_different_batch_sizes_evaluate_the_union(tmp_path):
+    # Last batches of 3 and 1 examples (issue 21: this raised before, and hung with different
+    # numbers of batches): the processes agree on each batch's sizes and pad with masked shards.
+    (reference,) = _run_workers(tmp_path, 0, [12])  # examples 0-6 and 7-11, on one device
+    results = _run_workers(tmp_path, 2, [7, 5])
     for result in results:
-        assert "have different sizes on the 2 processes ([3, 1], by process)" in result["error"]
+        assert list(result) == ["mean_loss", "Accuracy"]
+        for name in reference:
+            np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-6)

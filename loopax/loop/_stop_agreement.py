@@ -1,0 +1,170 @@
+"""One stop for every process: a stop asked on one process, agreed by all on one step.
+
+The agreement goes through JAX's coordination service, so that every process ends its run
+after the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import threading
+from typing import Any
+
+from ..trainer._trainer import Trainer
+
+# The coordinated runs of this process, counted in the order they start: every process of a
+# job runs the same runs in the same order (their steps are collectives), so the n-th run has
+# the same key everywhere. A resumed job starts a new coordination service, and a new count.
+_RUNS = itertools.count()
+_KEY = "loopax/stop/{run}"
+# The watcher waits for the key until the run ends (the run's end writes it); far past any run.
+_WATCH_MS = 2**31 - 1
+_JOIN_SECONDS = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedStop:
+    """The stop every process of a run agreed on.
+
+    Attributes:
+      step: the last loop step every process runs.
+      reason: the stop reason, as the proposing process gave it.
+      signum: the signal that asked for it, or None (a `request_stop`).
+      process: the index of the process that proposed it.
+    """
+
+    step: int
+    reason: str
+    signum: int | None
+    process: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnded:
+    """A process ended its run (at its end, or with an error) before any stop was agreed."""
+
+    process: int
+
+
+def _decode(value: str) -> AgreedStop | RunEnded:
+    record = json.loads(value)
+    if "ended" in record:
+        return RunEnded(int(record["ended"]))
+    return AgreedStop(
+        int(record["step"]), str(record["reason"]), record["signal"], record["process"]
+    )
+
+
+def _already_exists(error: Exception) -> bool:
+    return "ALREADY_EXISTS" in str(error)
+
+
+class StopAgreement:
+    """Agrees on one stop step for all the processes of a run; see `Loop` (several processes).
+
+    A process asked to stop (`want`) proposes, at its next settle point, the step
+    `loop_step + margin`; the first proposal written to the coordination service's key-value
+    store wins, and every process reads it. Processes run in lockstep within the bound on
+    steps in flight (every step holds collectives) and look at their settle points, at most
+    `limit + 1` dispatches apart; `margin` puts the stop past the furthest any process can
+    have run when it first looks. A watcher thread waits for the key, so that a settle point
+    reads an attribute rather than asking the service (~200 µs a round trip).
+
+    Args:
+      client: JAX's distributed client (`jax._src.distributed.global_state.client`).
+      process: this process's index.
+      margin: steps from a proposer's step to the stop step.
+      key: the run's key in the store, the same on every process and new for every run.
+    """
+
+    def __init__(self, client: Any, process: int, margin: int, key: str):
+        self._client = client
+        self._process = process
+        self.margin = margin
+        self._key = key
+        self._wish: tuple[str, int | None] | None = None
+        self._seen: AgreedStop | RunEnded | None = None
+        self._watch_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._watch, name="loopax-stop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_run(cls, trainer: Trainer, margin: int) -> StopAgreement | None:
+        """An agreement for a run of `trainer` whose devices span processes; else None."""
+        if len({device.process_index for device in trainer.devices}) < 2:
+            return None
+        from jax._src.distributed import global_state  # noqa: PLC0415
+
+        client = global_state.client
+        if client is None:
+            return None
+        import jax  # noqa: PLC0415
+
+        return cls(client, jax.process_index(), margin, _KEY.format(run=next(_RUNS)))
+
+    def _watch(self) -> None:
+        try:
+            seen = _decode(self._client.blocking_key_value_get(self._key, _WATCH_MS))
+        except Exception as error:  # the service is gone: the steps' collectives fail too
+            self._watch_error = error
+            return
+        if self._seen is None:
+            self._seen = seen
+
+    def want(self, reason: str, signum: int | None) -> bool:
+        """Asks for a stop; the next `poll` proposes it. False if one is agreed already."""
+        if self._seen is not None:
+            return False
+        if self._wish is None or signum is not None:
+            self._wish = (reason, signum)  # a signal's wish outranks a plain request's
+        return True
+
+    @property
+    def agreed(self) -> AgreedStop | None:
+        """The stop agreed on so far, without proposing any."""
+        seen = self._seen
+        return seen if isinstance(seen, AgreedStop) else None
+
+    def poll(self, loop_step: int) -> AgreedStop | None:
+        """The agreed stop, if any, after proposing this process's wish at `loop_step`.
+
+        Costs one attribute read unless a wish waits to be proposed.
+        """
+        seen = self._seen
+        if seen is None and self._wish is not None:
+            seen = self._propose(loop_step)
+        if isinstance(seen, RunEnded):
+            self._wish = None  # a process ended its run: every process ends at the same end
+            return None
+        return seen
+
+    def _propose(self, loop_step: int) -> AgreedStop | RunEnded:
+        assert self._wish is not None
+        reason, signum = self._wish
+        proposal = {
+            "step": loop_step + self.margin,
+            "reason": reason,
+            "signal": signum,
+            "process": self._process,
+        }
+        value = json.dumps(proposal)
+        try:
+            self._client.key_value_set(self._key, value)
+        except Exception as error:
+            if not _already_exists(error):
+                raise
+            value = self._client.blocking_key_value_get(self._key, 60_000)
+        self._seen = seen = _decode(value)
+        self._wish = None
+        return seen
+
+    def close(self) -> None:
+        """Ends the watcher: marks the run ended for the processes still in it, unless a stop is."""
+        try:
+            self._client.key_value_set(self._key, json.dumps({"ended": self._process}))
+        except Exception as error:
+            if not _already_exists(error):
+                return  # the service is gone; the watcher has ended with an error
+        self._thread.join(_JOIN_SECONDS)
