@@ -13,7 +13,7 @@ from ..data._iterables import evaluation_dataset
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
 from ._inflight import InFlight
 from ._named import named_metrics
-from ._program import EVAL, EVAL_UNEVEN
+from ._program import EVAL, EVAL_UNEVEN, EVAL_WHOLE
 
 if TYPE_CHECKING:
     from ._host_metrics import HostMetrics
@@ -57,7 +57,8 @@ class Evaluator:
             if shape and shape[0] % local_devices:  # run as pieces the devices divide
                 if self._strategy.multi_process:
                     check_same_batch_size_everywhere(spec, shape[0])
-                program = EVAL_UNEVEN
+                # per-device bodies pad the remainder; a global-batch body takes it whole
+                program = EVAL_UNEVEN if self._strategy.body_devices > 1 else EVAL_WHOLE
         if self._states is None:
             self._states = self._strategy.place_state(self._programs.steps.fresh_eval_metrics())
         self._states, values = self._programs.run(program, spec, inputs, labels, self._states)
