@@ -58,7 +58,7 @@ def check_rules(rules: Sequence[Any] | None, mesh: Mesh) -> tuple[tuple[str, str
     return tuple(checked)
 
 
-def annotations(variables: Any) -> dict[Path, tuple]:
+def axis_annotations(variables: Any) -> dict[Path, tuple]:
     """The axis names of every annotated (boxed) variable, by its path in `variables`."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(variables, is_leaf=is_box)
     found = {}
@@ -101,7 +101,7 @@ class Layout:
           ValueError: a rule matches no annotation, an annotation's names do not fit its
             variable's rank, or a sharded dimension does not divide by its mesh axes.
         """
-        named = annotations(variables)
+        named = axis_annotations(variables)
         mapping = dict(rules)
         axes = set(mesh.axis_names)
         used: set[str] = set()
@@ -154,14 +154,10 @@ class Layout:
             return jax.tree.unflatten(jax.tree.structure(tree), specs)
 
         model_state = {path: entry for path, entry in self.specs.items() if path[0] != "params"}
-        return TrainState(
-            step=P(),
+        return jax.tree.map(lambda _: P(), state).replace(
             params=tree_of(state.params, params),
             opt_state=tree_of(state.opt_state, params, suffix=True),
             model_state=tree_of(state.model_state, model_state),
-            rng=None if state.rng is None else P(),
-            train_metrics=jax.tree.map(lambda _: P(), state.train_metrics),
-            loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
         )
 
     def param_shardings(self, params: Any) -> Any:

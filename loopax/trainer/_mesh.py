@@ -227,11 +227,11 @@ class Sharded(Strategy):
         """`body(rng, inputs)` on the global batch; the variables unboxed."""
         return jax.jit(lambda key, inputs: nn.meta.unbox(body(key, inputs)))
 
-    def _plan(self, init: Callable[[Any, Any], dict], rng: Any, inputs: list[Any]) -> Any:
-        """Sets `layout` from the abstract variables of `init(rng, inputs)`; returns them."""
+    def _plan(self, init: Callable[[Any, Any], dict], rng: Any, inputs: list[Any]) -> tuple:
+        """Sets `layout` from the abstract variables of `init(rng, inputs)`; both."""
         boxed = jax.eval_shape(init, rng, inputs)
-        self.layout = Layout.plan(self.mesh, self.rules, self.fsdp, boxed)
-        return boxed
+        layout = self.layout = Layout.plan(self.mesh, self.rules, self.fsdp, boxed)
+        return boxed, layout
 
     def plan_layout(self, init: Callable[[Any, Any], dict], rng: Any, inputs: list[Any]) -> bool:
         """Sets `layout` from the variables of `init(rng, inputs)`; True: move the state.
@@ -262,7 +262,7 @@ class Sharded(Strategy):
           given_params: a function of the abstract params returning the parameters to start
             from (`init_params` checked against them), or None.
         """
-        boxed = self._plan(init, rng, inputs)
+        boxed, layout = self._plan(init, rng, inputs)
 
         def build_state(key: Any, batch: Any, start: Any) -> TrainState:
             return build(nn.meta.unbox(init(key, batch)), key, start)
@@ -270,9 +270,9 @@ class Sharded(Strategy):
         start = start_shardings = None
         if given_params is not None:
             abstract = nn.meta.unbox(boxed).get("params", {})
-            start_shardings = self.layout.param_shardings(abstract)
+            start_shardings = layout.param_shardings(abstract)
             start = jax.device_put(given_params(abstract), start_shardings)
-        shardings = self.layout.shardings(jax.eval_shape(build_state, rng, inputs, start))
+        shardings = layout.shardings(jax.eval_shape(build_state, rng, inputs, start))
         data = self.mesh.shape[DATA]
         batch = [self._replicated if np.shape(a)[0] % data else self._shardings[0] for a in inputs]
         return jax.jit(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,12 +138,20 @@ class Strategy:
         return jax.jit(stepped, in_shardings=shardings, donate_argnums=program.donate)
 
     def initializer(self, body: Callable[..., Any]) -> Callable[..., Any]:
-        """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
+        """Runs `body(rng, inputs)` once per device; every device builds the same variables.
+
+        Annotated variables (`nn.with_logical_partitioning`) come out unboxed: the state
+        holds the same arrays on every strategy.
+        """
         # check_vma is off: variables come from the replicated key, but a data-dependent
         # initializer would mark them per-device; device 0's copy is the one kept.
         return jax.jit(
             jax.shard_map(
-                body, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False
+                lambda key, inputs: nn.meta.unbox(body(key, inputs)),
+                mesh=self.mesh,
+                in_specs=(P(), P(AXIS)),
+                out_specs=P(),
+                check_vma=False,
             )
         )
 

@@ -238,17 +238,15 @@ class Programs:
     def _initialize(self, spec: Any, inputs: list[Any]) -> None:
         model = self._model
         init_params = model.init_params
-        given = None
-        if init_params is not None:
 
-            def given(params: Any) -> Any:
-                return from_plain(
-                    params,
-                    init_params,
-                    "init_params",
-                    hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
-                    "of a checkpoint of the same model",
-                )
+        def given(params: Any) -> Any:
+            return from_plain(
+                params,
+                init_params,
+                "init_params",
+                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
+                "of a checkpoint of the same model",
+            )
 
         per_device = self.steps.init_variables
         state = self._strategy.create_state(
@@ -256,7 +254,7 @@ class Programs:
             self._build_state,
             jax.random.PRNGKey(model.seed),
             self._strategy.global_batch(inputs),
-            given,
+            None if init_params is None else given,
         )
         self._placed.create(state)
 
