@@ -256,7 +256,9 @@ def main() -> None:
                 print(f"  {row[0]:48} {row[1]}")
             else:
                 label, rate, ratio, spread = row
-                print(f"  {label:48} {rate:9.0f} steps/s  {ratio:.3f} ± {spread:.3f}")
+                goal = section.get("targets", {}).get(label)
+                mark = "" if goal is None else f"  >= {goal}  {'PASS' if ratio >= goal else 'FAIL'}"
+                print(f"  {label:48} {rate:9.0f} steps/s  {ratio:.3f} ± {spread:.3f}{mark}")
 
 
 if __name__ == "__main__":

@@ -58,20 +58,19 @@ def check_rules(rules: Sequence[Any] | None, mesh: Mesh) -> tuple[tuple[str, str
     return tuple(checked)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """A box's axis names, as one pytree leaf."""
+
+    names: tuple
+
+
 def axis_annotations(variables: Any) -> dict[Path, tuple]:
     """The axis names of every annotated (boxed) variable, by its path in `variables`."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(variables, is_leaf=is_box)
-    found = {}
-    for path, leaf in leaves:
-        if is_box(leaf):
-            names = tuple(path_name(key) for key in path)
-            found[names] = tuple(leaf.names)
-    return found
-
-
-def path_name(key: Any) -> str:
-    """A pytree key as the name `tree_paths` gives it."""
-    return next((str(getattr(key, a)) for a in ("key", "name", "idx") if hasattr(key, a)), str(key))
+    names = jax.tree.map(
+        lambda leaf: _Names(tuple(leaf.names)) if is_box(leaf) else None, variables, is_leaf=is_box
+    )
+    return {path: leaf.names for path, leaf in tree_paths(names)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,8 +158,11 @@ class Sharded(Strategy):
         """
         if not isinstance(state, TrainState):
             return jax.device_put(state, self._replicated)
-        if self.layout is None:
-            shardings = jax.tree.map(lambda _: self._replicated, state)
+        if self.layout is None:  # until the first batch plans one: jax.Arrays stay put
+            shardings = jax.tree.map(
+                lambda leaf: leaf.sharding if isinstance(leaf, jax.Array) else self._replicated,
+                state,
+            )
         else:
             shardings = self.layout.shardings(state)
         self.state_shardings = shardings

@@ -7,6 +7,7 @@ import optax
 
 import loopax
 from loopax.testing import multiprocess
+from loopax.trainer._state import to_plain  # the plain form a checkpoint restores
 
 STEPS = 20
 MESH = {"data": 2, "model": 2}
@@ -30,16 +31,27 @@ def batch():
     return x, (x.sum(axis=1, keepdims=True) > 0).astype(np.float32)
 
 
-def train(trainer, x, y):
-    return [float(trainer.train_step(None, [x], [y])["loss"]) for _ in range(STEPS)]
+def train(trainer, x, y, steps=STEPS):
+    return [float(trainer.train_step(None, [x], [y])["loss"]) for _ in range(steps)]
+
+
+def sharded_trainer():
+    return loopax.Trainer(model_fn, mse, optax.adam(0.05), mesh=MESH, rules=RULES, fsdp=True)
 
 
 def train_on_mesh():
-    """In each process: its half of every global batch, on the shared 2x2 mesh."""
+    """In each process: its half of every global batch, on the shared 2x2 mesh.
+
+    Half the steps, then the state (global arrays, sharded across the processes) loaded
+    into a new trainer before its first batch, which runs the other half.
+    """
     x, y = batch()
     share = slice(4 * jax.process_index(), 4 * (jax.process_index() + 1))
-    trainer = loopax.Trainer(model_fn, mse, optax.adam(0.05), mesh=MESH, rules=RULES, fsdp=True)
-    losses = train(trainer, x[share], y[share])
+    first = sharded_trainer()
+    losses = train(first, x[share], y[share], STEPS // 2)
+    trainer = sharded_trainer()
+    trainer.load_state_dict(to_plain(first.state))
+    losses += train(trainer, x[share], y[share], STEPS - STEPS // 2)
     kernel = trainer.params["Dense_0"]["kernel"]
     try:
         trainer.state_dict()
@@ -47,12 +59,14 @@ def train_on_mesh():
     except ValueError as err:
         refused = str(err)
     evaluation = trainer.evaluate([(None, [x[share]], [y[share]])])
+    predictions = trainer.predict(x[share])  # this process's examples, each once
     return {
         "losses": losses,
         "spec": str(kernel.sharding.spec),
         "fsdp_spec": str(trainer.params["Dense_1"]["kernel"].sharding.spec),
         "refused": refused,
         "mean_loss": evaluation["mean_loss"],
+        "predictions": predictions.tolist(),
     }
 
 
@@ -62,10 +76,13 @@ def test_a_mesh_over_two_processes_trains_as_one_device():
     one = loopax.Trainer(model_fn, mse, optax.adam(0.05), devices=jax.devices()[:1])
     expected = train(one, x, y)
     expected_eval = one.evaluate([(None, [x], [y])])["mean_loss"]
-    for result in results:
+    expected_predictions = one.predict(x)
+    for process, result in enumerate(results):
         np.testing.assert_allclose(result["losses"], expected, atol=1e-5)
         assert result["spec"] == "P(None, 'model')"
         assert result["fsdp_spec"] == "P('data',)"
         assert "sharded across processes" in result["refused"]
         assert "hooks.checkpoint" in result["refused"]
         assert abs(result["mean_loss"] - expected_eval) <= 1e-5
+        share = expected_predictions[4 * process : 4 * (process + 1)]
+        np.testing.assert_allclose(result["predictions"], share, atol=1e-5)
