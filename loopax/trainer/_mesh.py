@@ -81,7 +81,12 @@ def build_mesh(mesh: Any, devices: Sequence[Device] | None) -> Mesh:
     known = math.prod(size for size in sizes.values() if size != -1)
     if len(free) > 1:
         raise ValueError(f"mesh {sizes} has more than one -1 size; give all but one")
-    if free and len(chosen) % known == 0:
+    if free:
+        if len(chosen) % known:
+            raise ValueError(
+                f"mesh {sizes}: the other axes' sizes multiply to {known}, which does not "
+                f"divide the {len(chosen)} devices; pick sizes whose product divides it"
+            )
         sizes[free[0]] = len(chosen) // known
     if math.prod(sizes.values()) != len(chosen):
         raise ValueError(
