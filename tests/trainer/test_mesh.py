@@ -219,14 +219,16 @@ def test_evaluate_predict_fused_on_device_and_accumulated_steps_equal_one_device
 
     def run(**kwargs):
         mean_error = metrics.Mean("abs", absolute_error)
-        trainer = loopax.Trainer(
-            model_fn, mse, optax.adam(0.05), eval_metrics=[mean_error], **kwargs
-        )
+        median = metrics.StreamingMedian("median", absolute_error)  # a host metric
+        trainer = loopax.Trainer(model_fn, mse, optax.adam(0.05), eval_metrics=[mean_error, median],
+                                 train_metrics=[metrics.StreamingMedian("median", absolute_error)],
+                                 **kwargs)  # fmt: skip
         on_device = {"on_device": True, "devices": trainer.devices}
         for fused, placement in [(1, {}), (4, {}), (4, on_device)]:
             dataset = loopax.ArrayDataset(x, y, 8, loop_forever=True, **placement)
-            loopax.Loop(trainer, steps_per_execution=fused).run_steps(dataset, 4)
+            last = loopax.Loop(trainer, steps_per_execution=fused).run_steps(dataset, 4)
         evaluation = trainer.evaluate(loopax.ArrayDataset(x[:30], y[:30], 7, drop_remainder=False))
+        evaluation["train median"] = float(last["median"])
         return evaluation, trainer.predict(x[:5]), trainer.state_dict()["params"]
 
     one = run(devices=jax.devices()[:1])
