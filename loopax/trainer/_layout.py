@@ -197,6 +197,14 @@ def _fsdp_spec(shape: tuple[int, ...], data_size: int) -> P:
 
 
 def _check_divisible(path: Path, shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:
+    """Raises ValueError unless each sharded dimension divides and no mesh axis repeats."""
+    axes = [name for entry in spec if entry is not None
+            for name in (entry if isinstance(entry, tuple) else (entry,))]  # fmt: skip
+    if len(axes) != len(set(axes)):
+        raise ValueError(
+            f"variable {'/'.join(path)!r} of shape {shape} would be sharded {spec}: a mesh "
+            "axis may shard one dimension only; map its logical names to different axes"
+        )
     for dim, entry in enumerate(spec):
         if entry is None:
             continue

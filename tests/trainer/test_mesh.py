@@ -144,6 +144,9 @@ def test_a_rule_matching_no_annotation_raises_naming_it():
     trainer = trainer_on({"data": 2, "model": 2}, model_fn, rules=[*RULES, ("heads", "model")])
     with pytest.raises(ValueError, match=r"\('heads', 'model'\).*match no annotated"):
         losses(trainer, steps=1)
+    twice = trainer_on({"data": 2, "model": 2}, model_fn, rules=[("embed", "model"), RULES[1]])
+    with pytest.raises(ValueError, match=r"'params/Dense_0/kernel' of shape \(4, 8\).*one dim"):
+        losses(twice, steps=1)
 
 
 @pytest.mark.parametrize(
