@@ -272,3 +272,15 @@ def test_the_default_path_keeps_its_one_dimensional_mesh_and_replicated_state():
     assert trainer.parallel == "shard_map" and trainer.mesh.axis_names == ("devices",)
     specs = {s.spec for s in jax.tree.leaves(trainer.state_shardings())}
     assert specs == {P()}
+    # annotated variables are stored unboxed there too, so states move to and from a mesh
+    assert isinstance(trainer.params["Dense_0"]["kernel"], jax.Array)
+    assert set(trainer.params) == {"Dense_0", "Dense_1", "scale"}
+
+
+def test_ctx_variable_axes_must_be_names():
+    def bad_axes(ctx, spec, inputs):
+        return inputs[0] * ctx.variable("scale", jnp.ones((4,)), axes="embed")
+
+    trainer = loopax.Trainer(bad_axes, mse, optax.sgd(0.1), mesh={"data": 4})
+    with pytest.raises(TypeError, match=r"ctx.variable\('scale'\): axes must be a sequence"):
+        losses(trainer, steps=1)
