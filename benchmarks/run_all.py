@@ -22,7 +22,11 @@ an `ArrayDataset(..., on_device=True)` (device-resident batches where that optio
 against the hand-written per-step `jax.jit` loop, a hand-written `jax.jit(lax.scan)` of 32
 steps a dispatch over pre-stacked device data, Keras `fit` with `steps_per_execution=32`
 (tiny), and on 4 simulated devices the hand-written `jit(shard_map)` step; plus the seconds
-compiling the 32-step program against the one-step program.
+compiling the 32-step program against the one-step program. The fsdp section (issue 21,
+`bench_fsdp.py`), on 4 simulated devices: loopax `mesh={"data": 4}, fsdp=True` against a
+hand-written `jax.jit` step with the same shardings (target >= 0.97), and the per-device
+state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
+50M-parameter MLP.
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -58,7 +62,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,fsdp] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -81,7 +85,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused")
+SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -699,7 +703,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused "
+        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, fsdp "
         "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
@@ -737,6 +741,10 @@ def main() -> None:
         sections += [("accumulate", section) for section in accumulate_sections(args)]
     if "fused" in only:
         sections += fused_section(args)
+    if "fsdp" in only:
+        import bench_fsdp  # noqa: PLC0415
+
+        sections += bench_fsdp.sections(args)
     print_table(sections, started, load_before)
 
 

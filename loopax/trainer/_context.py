@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -46,7 +46,9 @@ class Context:
     Attributes:
       training: True in a train step, False in an eval step.
       axis_name: the device axis name, for collectives such as `jax.lax.pmean(x,
-        ctx.axis_name)` (cross-device batch statistics).
+        ctx.axis_name)` (cross-device batch statistics). None on a mesh
+        (`Trainer(mesh=...)`): there the model computes over the global batch, so batch
+        statistics are already global without an axis name.
       spec: the batch's spec.
       global_step: the optimizer steps taken before this step, a traced int32 scalar (0 in
         the first train step; the same in every micro-batch of an accumulated step; the
@@ -58,18 +60,22 @@ class Context:
         self,
         module: nn.Module,
         training: bool,
-        axis_name: str,
+        axis_name: str | None,
         spec: Any,
         global_step: jax.Array | None = None,
+        annotate: bool = False,
     ):
         self._module = module
+        self._annotate = annotate
         self.training = training
         self.axis_name = axis_name
         self.spec = spec
         self.global_step = jnp.zeros((), jnp.int32) if global_step is None else global_step
         self._losses: list[jax.Array] = []
 
-    def variable(self, name: str, init: Any, trainable: bool = True) -> Any:
+    def variable(
+        self, name: str, init: Any, trainable: bool = True, axes: Sequence[str | None] | None = None
+    ) -> Any:
         """A variable of the model function, created on the first step, without a Flax module.
 
         Like GoMLX's `VariableWithValue`.
@@ -81,6 +87,9 @@ class Context:
           trainable: trained with the parameters (in `trainer.params[name]`), or model
             state (in `trainer.state.model_state["variables"][name]`): kept across steps,
             written by the model, averaged across devices after each train step.
+          axes: a logical axis name (or None) per dimension of its value, as in
+            `nn.with_logical_partitioning`: on a mesh the Trainer's `rules` map them to
+            mesh axes (see `Trainer`); ignored without a mesh.
 
         Returns:
           Trainable: its current value, an array. Not trainable: a handle whose `.value`
@@ -110,10 +119,20 @@ class Context:
                     f"init(key) returning one; got {type(value).__name__}"
                 ) from None
 
+        if axes is not None and (
+            isinstance(axes, str) or not all(a is None or isinstance(a, str) for a in axes)
+        ):
+            raise TypeError(
+                f"ctx.variable({name!r}): axes must be a sequence of axis names or None, one "
+                f"per dimension, e.g. ('embed', 'mlp'); got {axes!r}"
+            )
+        boxed: Callable[[jax.Array], Any] = initial
+        if axes is not None and self._annotate:  # boxed for the mesh's layout, unboxed on use
+            boxed = nn.with_logical_partitioning(initial, tuple(axes))
         if trainable:
-            return self._module.param(name, initial)
+            return self._module.param(name, boxed)
         variable = self._module.variable(
-            VARIABLES, name, lambda: initial(self._module.make_rng("params"))
+            VARIABLES, name, lambda: boxed(self._module.make_rng("params"))
         )
         return VariableHandle(variable, self._module.is_initializing())
 
@@ -148,11 +167,12 @@ class ModelModule(nn.Module):
     """Runs `model_fn` inside a compact Flax scope; returns (predictions, added loss)."""
 
     model_fn: ModelFn
-    axis_name: str
+    axis_name: str | None
+    annotate: bool = False
 
     @nn.compact
     def __call__(self, spec: Any, inputs: list[jax.Array], training: bool, global_step: Any = None):
-        ctx = Context(self, training, self.axis_name, spec, global_step)
+        ctx = Context(self, training, self.axis_name, spec, global_step, self.annotate)
         predictions = self.model_fn(ctx, spec, list(inputs))
         if isinstance(predictions, (list, tuple)):
             predictions = list(predictions)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from .. import _warnings
 from ..data._datasets import Dataset, as_list, read_batches, shown_name
 from ..data._iterables import evaluation_dataset
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
 from ._inflight import InFlight
 from ._named import named_metrics
-from ._program import EVAL, EVAL_UNEVEN
+from ._program import EVAL, EVAL_UNEVEN, EVAL_WHOLE
 from ._shares import masked_pieces, rounds, spans_processes
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class Evaluator:
             if shape and shape[0] % local_devices:  # run as pieces the devices divide
                 if self._strategy.multi_process:
                     check_same_batch_size_everywhere(spec, shape[0])
-                program = EVAL_UNEVEN
+                # per-device bodies pad the remainder; a global-batch body takes it whole
+                program = EVAL_UNEVEN if self._strategy.body_devices > 1 else EVAL_WHOLE
         if self._states is None:
             self._states = self._strategy.place_state(self._programs.steps.fresh_eval_metrics())
         self._states, values = self._programs.run(program, spec, inputs, labels, self._states)
@@ -74,7 +75,7 @@ class Evaluator:
             )
         dropped = dropped_examples_warning(dataset)
         if dropped is not None:
-            warnings.warn(dropped, RuntimeWarning, stacklevel=3)  # the caller of Trainer.evaluate
+            _warnings.warn(dropped)  # at the user's line
         dataset.reset()
         self.reset()
         in_flight = InFlight()

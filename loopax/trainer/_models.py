@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ._context import ModelModule, check_predictions
+from ._state import tree_paths
 
 # The keyword a Linen module's __call__ takes for train/eval mode, and its value in training.
 _MODE_KEYWORDS = {"train": True, "training": True, "deterministic": False}
@@ -103,11 +104,12 @@ class NnxModel(_FlaxModel):
     mode. The values it holds when the Trainer is made are the starting point.
     """
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, annotate: bool = False):
         from flax import nnx  # noqa: PLC0415
 
         self._nnx = nnx
         self.module = module
+        self._annotate = annotate
         self._filters = (nnx.Param, nnx.RngState, ...)
         module.eval()
         self._eval_graph = nnx.split(module, *self._filters)[0]
@@ -137,10 +139,23 @@ class NnxModel(_FlaxModel):
 
     def init(self, rngs: dict, spec: Any, inputs: list, training: bool) -> dict:
         del rngs, spec, inputs, training
-        variables = {"params": self._params}
+        params, _, rest = self._templates
+        variables = {"params": self._boxed(params, self._params)}
         if self._rest:
-            variables[NNX_STATE] = self._rest
+            variables[NNX_STATE] = self._boxed(rest, self._rest)
         return variables
+
+    def _boxed(self, template: Any, pure: dict) -> dict:
+        """`pure` with each variable annotated `nnx.with_partitioning` boxed by its names."""
+        if not self._annotate:
+            return pure
+        specs = self._nnx.to_pure_dict(self._nnx.get_partition_spec(template))
+        names = {path: tuple(spec) for path, spec in tree_paths(specs) if any(spec)}
+        values = [
+            nn.LogicallyPartitioned(value, names[path]) if path in names else value
+            for path, value in tree_paths(pure)
+        ]
+        return jax.tree.unflatten(jax.tree.structure(pure), values)
 
     def _predict(
         self, variables: dict, inputs: list, training: bool, rngs: dict, mutable: list[str]
@@ -199,8 +214,11 @@ def is_nnx_module(model: Any) -> bool:
     return isinstance(model, nnx.Module)
 
 
-def adapt(model: Any, axis_name: str) -> Any:
+def adapt(model: Any, axis_name: str | None, annotate: bool = False) -> Any:
     """The model interface for a model function, a Linen module or an NNX module.
+
+    With `annotate`, `init` returns annotated variables boxed (`nn.LogicallyPartitioned`)
+    for a mesh's layout; `ctx.axis_name` is `axis_name`.
 
     Raises:
       TypeError: `model` is none of them.
@@ -208,9 +226,9 @@ def adapt(model: Any, axis_name: str) -> Any:
     if isinstance(model, nn.Module):
         return LinenModel(model)
     if is_nnx_module(model):
-        return NnxModel(model)
+        return NnxModel(model, annotate)
     if callable(model):
-        return ModelModule(model_fn=model, axis_name=axis_name)
+        return ModelModule(model_fn=model, axis_name=axis_name, annotate=annotate)
     raise TypeError(
         f"the model must be a model function model_fn(ctx, spec, inputs), a flax.linen.Module "
         f"or a flax.nnx.Module, got {type(model).__name__}"

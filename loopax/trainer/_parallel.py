@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,12 +43,18 @@ class Strategy:
     # Whether a per-device program can take replicated arrays and slice its own shard of
     # each fused step's batch from them (on-device data; pmap's state has a device axis).
     slices_in_scan = True
+    # The model's `ctx.axis_name`; whether the model's init boxes annotated variables
+    # (`nn.with_logical_partitioning`) for a layout (only a mesh reads them).
+    axis_name: str | None = AXIS
+    annotates = False
 
     def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.num_devices = len(self.devices)
         self.local_devices = sum(1 for d in self.devices if d.process_index == jax.process_index())
+        # How many per-device copies of a step body run (their collectives reduce over them).
+        self.body_devices = self.num_devices
         self._replicated = NamedSharding(self.mesh, P())
         # The batch split on axis 0, 1 or 2 (behind steps and micro-batch axes).
         self._shardings = [NamedSharding(self.mesh, P(*([None] * axis), AXIS)) for axis in range(3)]
@@ -58,9 +65,21 @@ class Strategy:
         """Puts a host state on the devices, replicated."""
         return jax.device_put(state, self._replicated)
 
+    def sharding_of(self, leaf: Any) -> Any:
+        """Where a leaf of the state (as `PlacedState.state` gives it) lives: replicated."""
+        return self._replicated
+
+    def host_state(self, state: Any) -> Any:
+        """`state` as `place_state` takes it: a host copy."""
+        return jax.device_get(state)
+
     def unplace(self, state: Any) -> Any:
         """The state as one copy (no device axis)."""
         return state
+
+    def device_index(self) -> Any:
+        """Traced in a step body: this device's index, folded into its RNG key."""
+        return jax.lax.axis_index(AXIS)
 
     def global_batch(self, arrays: list[Any], batch_axis: int = 0) -> list[Any]:
         """The program's input for this process's batch `arrays`.
@@ -119,14 +138,46 @@ class Strategy:
         return jax.jit(stepped, in_shardings=shardings, donate_argnums=program.donate)
 
     def initializer(self, body: Callable[..., Any]) -> Callable[..., Any]:
-        """Runs `body(rng, inputs)` once per device; every device builds the same variables."""
+        """Runs `body(rng, inputs)` once per device; every device builds the same variables.
+
+        Annotated variables (`nn.with_logical_partitioning`) come out unboxed: the state
+        holds the same arrays on every strategy.
+        """
         # check_vma is off: variables come from the replicated key, but a data-dependent
         # initializer would mark them per-device; device 0's copy is the one kept.
         return jax.jit(
             jax.shard_map(
-                body, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False
+                lambda key, inputs: nn.meta.unbox(body(key, inputs)),
+                mesh=self.mesh,
+                in_specs=(P(), P(AXIS)),
+                out_specs=P(),
+                check_vma=False,
             )
         )
+
+    def create_state(
+        self,
+        init: Callable[[Any, Any], dict],
+        build: Callable[[dict, Any, Any], Any],
+        rng: Any,
+        inputs: list[Any],
+        given_params: Callable[[Any], Any] | None,
+    ) -> Any:
+        """The train state `build(variables, rng, start)`.
+
+        `variables` are what `init(rng, inputs)` builds on every device; `start` is
+        `given_params(params)`, or None without one.
+        """
+        variables = self.initializer(init)(rng, inputs)
+        start = None if given_params is None else given_params(variables.get("params", {}))
+        return build(variables, rng, start)
+
+    def plan_layout(self, init: Callable[[Any, Any], dict], rng: Any, inputs: list[Any]) -> bool:
+        """Plans where the variables `init(rng, inputs)` live; whether placement changed.
+
+        Every leaf is replicated here: nothing to plan.
+        """
+        return False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_devices})"

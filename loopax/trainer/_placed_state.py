@@ -20,7 +20,7 @@ from ..optimizers._learning_rate import (
     set_learning_rate,
 )
 from ._models import NnxModel
-from ._state import TrainState, from_plain, state_from_tree, to_plain
+from ._state import TrainState, from_plain, state_from_tree, to_plain, tree_paths
 
 if TYPE_CHECKING:
     import optax
@@ -91,12 +91,16 @@ class PlacedState:
         self.adopt(state)
 
     def adopt(self, state: TrainState) -> None:
-        """Places `state` on the devices; its RNG key becomes the compiled-in constant."""
+        """Places `state` on the devices; its RNG key becomes the compiled-in constant.
+
+        Its leaves may be host arrays or `jax.Array`s of any sharding; on a mesh they are
+        resharded on the devices, never gathered to a host.
+        """
         rng = np.asarray(jax.device_get(state.rng), dtype=np.uint32)
         if self.rng is not None and not np.array_equal(rng, np.asarray(self.rng)):
             self._on_new_key()  # the steps were compiled with the old key
         self.rng = jnp.asarray(rng)
-        host = jax.device_get(state.replace(rng=None))
+        host = self._strategy.host_state(state.replace(rng=None))
         self._learning_rate_leaf = None  # found again in the new state
         # Without a schedule the rate changes only here (set_learning_rate adopts a state):
         # a log of it then needs no device copy.
@@ -128,9 +132,27 @@ class PlacedState:
         state = self.state
         if state is None:
             return None
+        partial = [
+            "/".join(path)
+            for path, leaf in tree_paths(state)
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        ]
+        if partial:
+            raise ValueError(
+                f"state_dict() would gather the whole state to this process, but {partial[0]!r} "
+                f"(and {len(partial) - 1} more) are sharded across processes; save and "
+                "restore with hooks.checkpoint, which writes each process's shards"
+            )
         # A real copy: the next train step donates (reuses) the device buffers, and on CPU
         # `device_get` may return a view of them.
         return jax.tree.map(np.array, to_plain(state))
+
+    def state_shardings(self) -> dict | None:
+        """Every state leaf's sharding, as `to_plain` nests them; see `Trainer.state_shardings`."""
+        state = self.state
+        if state is None:
+            return None
+        return to_plain(jax.tree.map(self._strategy.sharding_of, state))
 
     def load_state_dict(self, tree: dict, where: str, steps: StepBuilder) -> None:
         """Replaces the state with `tree`; see `Trainer.load_state_dict`.

@@ -56,8 +56,9 @@ class Predictor:
         results = []
         for output in outputs:
             if multi_process:  # this process's examples: its devices' shards, in order
-                shards = sorted(output.addressable_shards, key=lambda s: s.index[0].start or 0)
-                output = np.concatenate([np.asarray(s.data) for s in shards])
+                # once each: on a mesh, devices along other axes hold copies of a shard
+                shards = {s.index[0].start or 0: s for s in output.addressable_shards}
+                output = np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)])
             results.append(np.asarray(output)[:count])
         return results
 

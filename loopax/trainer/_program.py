@@ -103,6 +103,9 @@ class Program:
       model_inputs: `model_inputs(strategy, source, leading)`, one step's inputs, to create
         or check the state from.
       per_example_output: whether the body returns per-example values (predictions).
+      updates_state: whether the body returns a new train state first (train programs).
+      split_batch: whether the batch is split over the devices; off for a global-batch
+        program (a mesh's) taking an eval batch that the data shards do not divide.
       wrap: `wrap(program, strategy, steps, spec, rng, source, leading, sharded)`, the
         program ready to lower.
     """
@@ -117,6 +120,8 @@ class Program:
     arguments: Callable[[Strategy, Any, int], tuple]
     model_inputs: Callable[[Strategy, Any, int], list]
     per_example_output: bool = False
+    updates_state: bool = False
+    split_batch: bool = True
     wrap: Callable[..., Wrapped] = _wrapped
 
     def axes(self, accumulating: bool) -> tuple[str, ...]:
@@ -139,6 +144,7 @@ TRAIN = Program(
     leading_axes=(MICRO_BATCHES,),
     arguments=_batches,
     model_inputs=_first_batch,
+    updates_state=True,
 )
 TRAIN_STEPS = dataclasses.replace(
     TRAIN,
@@ -180,6 +186,7 @@ TRAIN_STEPS_GATHERED = Program(
     leading_axes=(STEPS,),
     arguments=_chunk_arrays,
     model_inputs=_chunk_first_batch,
+    updates_state=True,
     wrap=_gathering,
 )
 EVAL = Program(
@@ -193,6 +200,8 @@ EVAL = Program(
     arguments=_batches,
     model_inputs=_first_batch,
 )
+# A global-batch program (a mesh's) takes a batch the data shards do not divide whole.
+EVAL_WHOLE = dataclasses.replace(EVAL, split_batch=False)
 EVAL_UNEVEN = dataclasses.replace(
     EVAL,
     body=operator.attrgetter("eval_uneven"),

@@ -255,29 +255,43 @@ class Programs:
 
     def _initialize(self, spec: Any, inputs: list[Any]) -> None:
         model = self._model
-        rng = jax.random.PRNGKey(model.seed)
-        variables = self._initializer(spec)(rng, self._strategy.global_batch(inputs))
-        params = variables.pop("params", {})
-        if model.init_params is not None:
-            params = from_plain(
+        init_params = model.init_params
+
+        def given(params: Any) -> Any:
+            return from_plain(
                 params,
-                model.init_params,
+                init_params,
                 "init_params",
                 hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
                 "of a checkpoint of the same model",
             )
+
+        per_device = self.steps.init_variables
+        state = self._strategy.create_state(
+            lambda key, xs: per_device(spec, key, xs),
+            self._build_state,
+            jax.random.PRNGKey(model.seed),
+            self._strategy.global_batch(inputs),
+            None if init_params is None else given,
+        )
+        self._placed.create(state)
+
+    def _build_state(self, variables: dict, rng: Any, start: Any) -> TrainState:
+        """The train state of the model's `variables`, from parameters `start` if given."""
+        variables = dict(variables)
+        params = variables.pop("params", {})
+        if start is not None:
+            params = start
         if not jax.tree.leaves(params):
-            raise ValueError(no_parameters_message(model.given))
-        self._placed.create(
-            TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=model.optimizer.init(params),
-                model_state=variables,
-                rng=rng,
-                train_metrics=self.steps.fresh_train_metrics(),
-                loss_scale=self.steps.fresh_loss_scale(),
-            )
+            raise ValueError(no_parameters_message(self._model.given))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self._model.optimizer.init(params),
+            model_state=variables,
+            rng=rng,
+            train_metrics=self.steps.fresh_train_metrics(),
+            loss_scale=self.steps.fresh_loss_scale(),
         )
 
     def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
@@ -291,6 +305,9 @@ class Programs:
             to_plain({"params": state.params, "model_state": state.model_state}),
             where,
         )
+        per_device = self.steps.init_variables
+        if self._strategy.plan_layout(lambda k, xs: per_device(spec, k, xs), key, inputs):
+            self._placed.state = state  # moved into the layout's shardings
 
 
 def _costs(compiled: Any, program: Program, inputs: Any, axes: tuple, strategy: Any) -> dict:

@@ -142,17 +142,22 @@ def state_from_tree(
 ) -> TrainState:
     """A `TrainState` built from its plain form alone, with no model needed.
 
-    The optimizer state's structure comes from `optimizer.init` of the tree's parameters.
+    The optimizer state's structure comes from `optimizer.init` of the tree's parameters
+    (abstractly: `jax.Array` leaves stay where they are, never gathered to a host).
 
     Raises:
       ValueError: `tree` does not fit (naming the first differing entry).
     """
-    params = jax.tree.map(np.asarray, tree["params"])
+
+    def array(leaf: Any) -> Any:
+        return leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+
+    params = jax.tree.map(array, tree["params"])
     template = TrainState(
         step=np.zeros((), np.int32),
         params=params,
-        opt_state=optimizer.init(params),
-        model_state=jax.tree.map(np.asarray, tree.get("model_state", {})),
+        opt_state=jax.eval_shape(optimizer.init, params),
+        model_state=jax.tree.map(array, tree.get("model_state", {})),
         rng=np.zeros((2,), np.uint32),
         train_metrics=fresh_train_metrics,
         loss_scale=loss_scale,

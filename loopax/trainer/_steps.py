@@ -23,7 +23,7 @@ from ..metrics._mean import (
 )
 from ._collectives import Collectives
 from ._host_metrics import HostMetrics, StepValues, merge_step_values
-from ._parallel import AXIS, Strategy
+from ._parallel import Strategy
 from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
 
@@ -109,7 +109,7 @@ class StepBuilder:
         # `module`: a model adapter (see `_models`): init/apply like a Linen module.
         self.module = module
         self.config = config
-        self.collectives = Collectives(config.strategy.num_devices)
+        self.collectives = Collectives(config.strategy.body_devices)
         self.loss_average = LossMovingAverage()
         train_keys = (LOSS, MOVING_AVERAGE_LOSS, *config.train_order)
         if config.reports_skips:
@@ -147,7 +147,7 @@ class StepBuilder:
         key = jax.random.fold_in(base_rng, step)
         if micro is not None:  # each micro-batch of an accumulated step draws its own
             key = jax.random.fold_in(key, micro)
-        key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+        key = jax.random.fold_in(key, self.config.strategy.device_index())
         params_key, dropout_key = jax.random.split(key)
         return {"params": params_key, "dropout": dropout_key}
 

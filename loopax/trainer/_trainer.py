@@ -15,20 +15,21 @@ from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
-from ._host_metrics import split_host_metrics
+from ._layout import sharding_report
+from ._mesh import choose_strategy
 from ._models import adapt
-from ._parallel import AXIS, Device, choose
+from ._parallel import Device
 from ._placed_state import PlacedState
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predictor
 from ._programs import Model, Programs, StepResult
 from ._state import TrainState
-from ._steps import StepConfig
 from ._trainer_args import (
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
     check_callables,
     check_metrics,
+    step_config,
 )
 
 
@@ -63,6 +64,15 @@ class Trainer:
       devices: the devices to split each batch over; default all of `jax.devices()`.
       parallel: `"shard_map"` (default: `jax.jit` of `jax.shard_map` over a 1-D mesh) or
         `"pmap"` (literal `jax.pmap` over local devices).
+      mesh: None (1-D data parallel), a dict of axis sizes such as `{"data": 2, "model":
+        2}` (one may be -1), or a `jax.sharding.Mesh` with Auto axes. With `mesh`, `rules`
+        or `fsdp` a step is one `jax.jit` over the global batch, split over `"data"`, with
+        sharded state (global `jax.Array`s; `sharding_report()`): results equal one
+        device's, dropout included; `ctx.axis_name` is None (batch statistics are global).
+      rules: `(logical_name, mesh_axis or None)` pairs for annotated variables
+        (`nn.with_logical_partitioning`, `nnx.with_partitioning`, `ctx.variable(axes=)`).
+      fsdp: shard each parameter of rank >= 2 that no annotation shards over `"data"`,
+        along its largest dimension that divides; optimizer state follows its parameter.
       max_executors: how many compiled steps to keep; the least recently used is evicted
         past it, with a warning.
       accumulate_steps: micro-batches per optimizer step (gradient accumulation). With K >
@@ -86,9 +96,9 @@ class Trainer:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
         optax transformation, or a metric not following the Metric protocol.
       ValueError: duplicate metric names, unknown `parallel`, empty `devices`, a bad
-        `accumulate_steps`, `compute_dtype` or `loss_scale`; at the first
-        step, a model with no trainable parameters, or `init_params` not fitting the model
-        (naming the first differing entry and both shapes).
+        `accumulate_steps`, `compute_dtype`, `loss_scale`, `mesh` or `rules`; at the first
+        step, a model with no trainable parameters, `init_params` not fitting the model
+        (naming the first differing entry and both shapes), or an unmatched rule.
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -119,50 +129,32 @@ class Trainer:
         accumulate_steps: int = 1,
         compute_dtype: Any = None,
         loss_scale: float | str | None = None,
+        mesh: Any = None,
+        rules: Sequence[tuple[str, str | None]] | None = None,
+        fsdp: bool = False,
     ):
-        adapted = adapt(model, AXIS)
+        strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
+        adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
         check_callables(loss_fn, optimizer)
         self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)
         dtype = check_compute_dtype(compute_dtype)
         self.compute_dtype = dtype_name(dtype)
         self.loss_scale = check_loss_scale(loss_scale, dtype)
-        strategy = self._strategy = choose(parallel, devices)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.train_metrics = check_metrics(train_metrics, "train", RESERVED_TRAIN_NAMES)
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
-        self._model = adapted
-        # Host metrics (loopax.metrics.HostMetric) only return step values; see _host_metrics.
-        num_devices = strategy.num_devices
-        compiled_train, host_train = split_host_metrics(self.train_metrics, AXIS, num_devices)
-        compiled_eval, host_eval = split_host_metrics(self.eval_metrics, AXIS, num_devices)
-        config = StepConfig(
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            train_metrics=compiled_train,
-            eval_metrics=compiled_eval,
-            strategy=strategy,
-            host_train=host_train,
-            host_eval=host_eval,
-            train_order=tuple(m.name for m in self.train_metrics),
-            eval_order=tuple(m.name for m in self.eval_metrics),
-            accumulate=self.accumulate_steps > 1,
-            compute_dtype=dtype,
-            loss_scale=self.loss_scale,
-        )
+        config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
+                             strategy, self.accumulate_steps, dtype, self.loss_scale)  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
-        self._programs = Programs(
-            Model(model, adapted, optimizer, seed, start),
-            config,
-            self._placed,
-            cache,
-        )
-        self.eval_metric_names = self._programs.steps.eval_keys
-        self._evaluator = Evaluator(self._programs, strategy, self.eval_metric_names, host_eval)
+        model_record = Model(model, adapted, optimizer, seed, start)
+        self._programs = Programs(model_record, config, self._placed, cache)
+        names = self.eval_metric_names = self._programs.steps.eval_keys
+        self._evaluator = Evaluator(self._programs, strategy, names, config.host_eval)
         self._predictor = Predictor(self._programs, self._placed, strategy)
 
     # -- public attributes ----------------------------------------------------------------
@@ -193,7 +185,7 @@ class Trainer:
 
     @property
     def parallel(self) -> str:
-        """The parallel strategy's name: `"shard_map"` or `"pmap"`."""
+        """The parallel strategy's name: `"shard_map"`, `"pmap"`, or `"mesh"` (see `mesh`)."""
         return self._strategy.name
 
     @property
@@ -208,7 +200,7 @@ class Trainer:
 
     @property
     def mesh(self) -> Any:
-        """The 1-D `jax.sharding.Mesh` over `devices` (axis `"devices"`)."""
+        """The `jax.sharding.Mesh`: by default 1-D over `devices` (axis `"devices"`)."""
         return self._strategy.mesh
 
     @property
@@ -252,8 +244,7 @@ class Trainer:
     def add_state_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
         """Calls `fn(state) -> state` when the state is created (now, if it exists).
 
-        Checkpoint restoration uses it: the state's structure is known only after the
-        first batch shows the input shapes.
+        Checkpoint restoration uses it: the first batch shows the state's structure.
         """
         self._placed.add_initializer(fn)
 
@@ -275,12 +266,21 @@ class Trainer:
     def state_dict(self) -> dict | None:
         """The train state as nested dicts of host arrays keyed by field names.
 
-        None before the first step.
+        None before the first step. State sharded across processes raises ValueError
+        (`hooks.checkpoint` saves every process's shards).
 
         This is what checkpoints store: `params` and `model_state` as the model names
         them, `opt_state` with optax's field names, `step`, `rng`, `train_metrics`.
         """
         return self._placed.state_dict()
+
+    def state_shardings(self) -> dict | None:
+        """Every state leaf's `NamedSharding`, nested as `state_dict()` (None without state)."""
+        return self._placed.state_shardings()
+
+    def sharding_report(self) -> str:
+        """A text table of the state: path, shape, partition spec, bytes per device, totals."""
+        return "no train state yet" if self.state is None else sharding_report(self.state)
 
     def load_state_dict(self, tree: dict, *, where: str = "the given state") -> None:
         """Replaces the train state with `tree`, as `state_dict` returns it.

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._host_metrics import is_host_metric
-from ._steps import LOSS, LOSS_SCALE, MEAN_LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS
+from .._devices import AXIS
+from ._host_metrics import is_host_metric, split_host_metrics
+from ._steps import LOSS, LOSS_SCALE, MEAN_LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, StepConfig
+
+if TYPE_CHECKING:
+    import optax
+
+    from ._parallel import Strategy
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 # The names the step bodies give their own values; no user metric may take one.
@@ -47,3 +53,36 @@ def check_callables(loss_fn: Any, optimizer: Any) -> None:
             f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}; "
             "e.g. optax.adam(1e-3) or loopax.optimizers.from_name('adam')"
         )
+
+
+def step_config(
+    loss_fn: Any,
+    optimizer: optax.GradientTransformation,
+    train_metrics: tuple,
+    eval_metrics: tuple,
+    strategy: Strategy,
+    accumulate_steps: int,
+    compute_dtype: Any,
+    loss_scale: Any,
+) -> StepConfig:
+    """The step bodies' first config; host metrics (`HostMetric`) split from compiled ones.
+
+    A host metric only returns step values; see `_host_metrics`.
+    """
+    body_devices = strategy.body_devices
+    compiled_train, host_train = split_host_metrics(train_metrics, AXIS, body_devices)
+    compiled_eval, host_eval = split_host_metrics(eval_metrics, AXIS, body_devices)
+    return StepConfig(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        train_metrics=compiled_train,
+        eval_metrics=compiled_eval,
+        strategy=strategy,
+        host_train=host_train,
+        host_eval=host_eval,
+        train_order=tuple(m.name for m in train_metrics),
+        eval_order=tuple(m.name for m in eval_metrics),
+        accumulate=accumulate_steps > 1,
+        compute_dtype=compute_dtype,
+        loss_scale=loss_scale,
+    )
