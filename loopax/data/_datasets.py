@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 if TYPE_CHECKING:
@@ -80,6 +81,11 @@ class ArrayDataset:
         as the Trainer's step takes them. Every device holds all the arrays.
       devices: with `on_device=True`, the devices to hold the arrays: the Trainer's
         (default: all of `jax.devices()`, as the Trainer's default).
+      shard_by_process: for several JAX processes: every process is given the same (whole)
+        arrays, `batch_size` is the global batch, and each process yields its own slice of
+        every global batch (process i of n: rows `[i * b / n, (i + 1) * b / n)`). The
+        order and the position are global, the same on every process, so a checkpoint's
+        position resumes exactly on any process count. One process yields whole batches.
 
     Raises:
       TypeError: an input or label is not an array.
@@ -119,6 +125,7 @@ class ArrayDataset:
         spec: Any = None,
         on_device: bool = False,
         devices: Sequence[Device] | None = None,
+        shard_by_process: bool = False,
     ):
         self.inputs = _as_array_list(inputs, "inputs")
         self.labels = _as_array_list(labels, "labels") if not _is_empty(labels) else []
@@ -147,7 +154,13 @@ class ArrayDataset:
         self.drop_remainder = drop_remainder
         self.loop_forever = loop_forever
         self.spec = spec
+        self.shard_by_process = bool(shard_by_process)
         self._device: DeviceArrays | None = None
+        if on_device and self.shard_by_process:
+            raise ValueError(
+                f"ArrayDataset {name!r}: on_device=True holds every row on this process's "
+                "devices; shard_by_process slices host batches. Use one or the other"
+            )
         if on_device:
             from ._device_data import DeviceArrays, check_devices  # noqa: PLC0415
 
@@ -210,11 +223,23 @@ class ArrayDataset:
         stop = start + count * size
         index = slice(start, stop) if self._order is None else self._order[start:stop]
 
+        share = self._process_share(size)
+
         def take(array: Any) -> Any:
             rows = array[index]
+            if share is not None:  # this process's rows of each batch
+                rows = rows.reshape((count, size, *rows.shape[1:]))[:, share]
+                return rows if stacked else rows[0]
             return rows.reshape((count, size, *rows.shape[1:])) if stacked else rows
 
         return self.spec, [take(a) for a in self.inputs], [take(a) for a in self.labels]
+
+    def _process_share(self, size: int) -> slice | None:
+        """This process's rows of a global batch of `size`; None: all (not sharded)."""
+        if not self.shard_by_process:
+            return None
+        count, index = jax.process_count(), jax.process_index()
+        return slice(index * size // count, (index + 1) * size // count)
 
     def yield_batch(self) -> Batch:
         """Returns the next `(spec, inputs, labels)`; raises `StopIteration` at epoch end."""
@@ -332,8 +357,16 @@ class ArrayDataset:
             self._next_epoch()
 
     def get_state(self) -> dict[str, Any]:
-        """Returns the position (epoch and offset) as a JSON-serializable dict."""
-        return {"epoch": self._epoch, "position": self._position, "seed": self.seed}
+        """Returns the position (epoch and offset) as a JSON-serializable dict.
+
+        With `shard_by_process` it says so (`"process_independent": True`): the position is
+        global, so a checkpoint may give it to any number of processes.
+        """
+        state: dict[str, Any] = {"epoch": self._epoch, "position": self._position}
+        state["seed"] = self.seed
+        if self.shard_by_process:
+            state["process_independent"] = True
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores a position returned by `get_state`.

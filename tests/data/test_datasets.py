@@ -321,3 +321,16 @@ def test_iterable_dataset_rejects_bad_items_and_arguments():
     dataset = loopax.IterableDataset(lambda: iter([rows(1)]), name="bad")
     with pytest.raises(ValueError, match="bad"):
         dataset.yield_batch()
+
+
+def test_shard_by_process_on_one_process_yields_whole_batches_with_a_global_position():
+    x, y = np.arange(12.0), np.arange(12)
+    sharded = loopax.ArrayDataset(x, y, 4, seed=3, shard_by_process=True)
+    plain = loopax.ArrayDataset(x, y, 4, seed=3)
+    for _ in range(3):
+        np.testing.assert_array_equal(sharded.yield_batch()[1][0], plain.yield_batch()[1][0])
+    assert sharded.get_state() == {**plain.get_state(), "process_independent": True}
+    stacked = loopax.ArrayDataset(x, y, 4, shuffle=False, shard_by_process=True)
+    assert stacked.yield_batches(2)[1][0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="on_device=True holds every row.*one or the other"):
+        loopax.ArrayDataset(x, y, 4, on_device=True, shard_by_process=True)

@@ -66,6 +66,17 @@ def _shuffled(seed):
     return loopax.ArrayDataset(x, y, batch_size=4, seed=seed, loop_forever=True, name="train")
 
 
+def _global(seed):
+    """The same data on every process, each yielding its rows of every global batch of 8:
+    a global position, which resumes on any process count."""
+    import loopax
+
+    x, y = _rows(seed)
+    return loopax.ArrayDataset(
+        x, y, batch_size=8, seed=seed, loop_forever=True, name="train", shard_by_process=True
+    )
+
+
 class Share:
     """Process `process` of `processes`'s rows of global batches of one fixed stream.
 
@@ -143,7 +154,7 @@ def save_and_resume(directory, shared_directory):
 
     shared = loopax.Loop(_trainer())
     checkpointer = hooks.checkpoint(shared, shared_directory, every_n_steps=2)
-    shared.run_to_step(_shuffled(7), 6)
+    shared.run_to_step(_global(7), 6)
     checkpointer.wait()
     result["shared_params6"] = _host(shared.trainer.params)
     return result
@@ -166,7 +177,7 @@ def restore_on_one_process(directory, shared_directory, saved_directory):
         shutil.copytree(shared_directory, copy)
         checkpointer = hooks.checkpoint(loop, copy)
         result["restored"][count] = [checkpointer.restored_step, _host(loop.trainer.params)]
-        metrics = loop.run_to_step(_shuffled(7), 8)  # training goes on from it
+        metrics = loop.run_to_step(_global(7), 8)  # training goes on from it
         checkpointer.wait()
         result.setdefault("losses", {})[count] = float(np.asarray(metrics["loss"]))
     try:

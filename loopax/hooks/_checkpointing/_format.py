@@ -179,13 +179,25 @@ def positions_for(bundle: dict, process_index: int, process_count: int, where: s
     positions = dataset_positions(bundle)
     if len(positions) == process_count:
         return positions[process_index]
-    if all(entry == positions[0] for entry in positions):
+    if all(entry == positions[0] for entry in positions) and all(
+        _process_independent(state) for state in positions[0].values()
+    ):
         return positions[0]
     raise ValueError(
         f"{where} was saved by {len(positions)} processes, each at its own data position, "
         f"and this run has {process_count} processes: a position of one of {len(positions)} "
-        f"processes does not map to one of {process_count}. Resume on {len(positions)} "
-        "processes, or give every process the same dataset (its positions are then shared), "
-        "or attach the checkpoint hook with restore='never' and start from "
-        "loopax.load_params(...)"
+        f"does not map to one of {process_count}. Resume on {len(positions)} process(es), "
+        "or feed data whose position is global (loopax.ArrayDataset(..., "
+        "shard_by_process=True), grain's ElasticIterator), or attach the checkpoint hook "
+        "with restore='never' and start from loopax.load_params(...)"
     )
+
+
+def _process_independent(state: Any) -> bool:
+    """Whether a dataset position is global: the same for any number of processes."""
+    if not isinstance(state, dict):
+        return False
+    if state.get("process_independent") is True:  # ArrayDataset(shard_by_process=True)
+        return True
+    iterator = state.get("iterator")  # an IterableDataset over grain's ElasticIterator
+    return isinstance(iterator, dict) and "global_next_index" in iterator
