@@ -154,6 +154,14 @@ def test_the_notebook_is_stored_executed():
     assert "Results on test" in text and "error" not in {
         output["output_type"] for cell in code for output in cell["outputs"]
     }
+    # The progress bar's text form is stored as a viewer shows it: its final state, one line.
+    (bar,) = [
+        "".join(output["text"])
+        for cell in code
+        for output in cell["outputs"]
+        if output.get("name") == "stderr"
+    ]
+    assert "\r" not in bar and bar.count("\n") <= 1 and "500" in bar, bar
 
 
 DOCS_EXTRA = (
