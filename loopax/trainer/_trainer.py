@@ -383,7 +383,7 @@ class Trainer:
           same in both: its value after the n steps.
 
         Raises:
-          As `train_step`, and ValueError for arrays without a common leading steps axis.
+          ValueError: arrays without a common leading steps axis; otherwise as `train_step`.
         """
         result = self._programs.train_steps(spec, inputs, labels)
         return cast("dict[str, Any]", result.stacked), result.last  # n steps: never None
@@ -403,8 +403,8 @@ class Trainer:
           The `StepResult` of the dispatch's `dispatch.count` optimizer steps.
 
         Raises:
-          TypeError: `dispatch` is none of the three records.
-          As `train_step` and `train_steps` otherwise.
+          TypeError: `dispatch` is none of the three records, or as `train_step`.
+          ValueError: as `train_step` and `train_steps`.
         """
         # Through the public methods: a subclass or wrapper of `train_step` sees every step.
         if isinstance(dispatch, OneStep):
