@@ -118,9 +118,11 @@ class ProgressBar:
         notebook: bool | None,
         leave: bool,
         show_metrics: bool,
+        summary: bool = False,
     ):
         self.clock = clock
         self.show_metrics = show_metrics
+        self._summary_due = summary  # printed once, when the parameters first exist
         self.throughput = Throughput()
         self.bar: Any = None
         self._bar_class = _bar_class(notebook)
@@ -144,6 +146,7 @@ class ProgressBar:
     def on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
         self._close_bar()
+        self._print_summary(loop)  # a resumed or initialized state exists already
         self._end_step = loop.end_step
         self.throughput = Throughput()
         self.throughput.start(self.clock())
@@ -215,7 +218,13 @@ class ProgressBar:
                 return _UNKNOWN_TOTAL_FORMAT, status
         return _UNKNOWN_TOTAL_FORMAT, statuses[-1]
 
+    def _print_summary(self, loop: Loop) -> None:
+        if self._summary_due and loop.trainer.state is not None:
+            self._summary_due = False
+            self._bar_class.write(loop.trainer.summary(), file=self._bar_options["file"])
+
     def _refresh(self, loop: Loop, steps_done: int, display: bool = True) -> None:
+        self._print_summary(loop)
         bar = self.bar
         if loop.end_step != self._end_step:
             # run_epochs learned the length of the run at the end of the first epoch.
@@ -267,6 +276,7 @@ def progress_bar(
     file: TextIO | None = None,
     notebook: bool | None = None,
     leave: bool = True,
+    summary: bool = False,
     priority: int = Priority.UI,
 ) -> ProgressBar:
     """Shows a tqdm progress bar: `step k of N`, steps/s, ETA and the train metrics.
@@ -288,6 +298,8 @@ def progress_bar(
       notebook: None picks a notebook widget or a terminal bar automatically; True/False
         force one.
       leave: keep the finished bar on screen.
+      summary: print `trainer.summary()` (every parameter, Keras's `model.summary()`)
+        once, above the bar, as soon as the parameters exist (the first step).
       priority: the hooks' priority (default `Priority.UI`: last).
 
     Returns:
@@ -305,7 +317,7 @@ def progress_bar(
         raise ValueError(f"refresh_seconds must be a number >= 0, got {refresh_seconds!r}")
     if not callable(clock):
         raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-    progress = ProgressBar(loop.trainer, clock, file, notebook, leave, show_metrics)
+    progress = ProgressBar(loop.trainer, clock, file, notebook, leave, show_metrics, summary)
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)

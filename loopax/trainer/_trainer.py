@@ -24,6 +24,7 @@ from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predictor
 from ._programs import Model, Programs, StepResult
 from ._state import TrainState
+from ._summary import parameter_summary
 from ._trainer_args import (
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
@@ -157,8 +158,6 @@ class Trainer:
         self._evaluator = Evaluator(self._programs, strategy, names, config.host_eval)
         self._predictor = Predictor(self._programs, self._placed, strategy)
 
-    # -- public attributes ----------------------------------------------------------------
-
     @property
     def global_step(self) -> int:
         """Optimizer steps taken (a Python int; reading it never syncs with the device)."""
@@ -219,8 +218,6 @@ class Trainer:
         if bool(enabled) != self._programs.steps.config.skip_non_finite:
             self._programs.configure(skip_non_finite=bool(enabled))
 
-    # -- configuration --------------------------------------------------------------------
-
     def add_per_step_update(self, fn: Callable[[Any], Any]) -> None:
         """Adds `fn(params) -> params`, compiled into the train step after the update.
 
@@ -264,13 +261,11 @@ class Trainer:
         self._placed.state = state
 
     def state_dict(self) -> dict | None:
-        """The train state as nested dicts of host arrays keyed by field names.
+        """The train state as nested dicts of host arrays keyed by field names, or None.
 
-        None before the first step. State sharded across processes raises ValueError
-        (`hooks.checkpoint` saves every process's shards).
-
-        This is what checkpoints store: `params` and `model_state` as the model names
-        them, `opt_state` with optax's field names, `step`, `rng`, `train_metrics`.
+        `params` and `model_state` as the model names them, `opt_state` with optax's field
+        names, `step`, `rng`, `train_metrics`. State sharded across processes raises
+        ValueError (`hooks.checkpoint` saves every process's shards).
         """
         return self._placed.state_dict()
 
@@ -282,12 +277,22 @@ class Trainer:
         """A text table of the state: path, shape, partition spec, bytes per device, totals."""
         return "no train state yet" if self.state is None else sharding_report(self.state)
 
+    def summary(self) -> str:
+        """Every parameter's path, shape, dtype, count and bytes, then totals (Keras's summary).
+
+        On a mesh also each one's partition spec and bytes per device. The parameters exist
+        after the first step (or with `init_params`, or a restored checkpoint).
+        """
+        state = self.state
+        if state is None:
+            return "no parameters yet"
+        return parameter_summary(state.params, state.model_state)
+
     def load_state_dict(self, tree: dict, *, where: str = "the given state") -> None:
         """Replaces the train state with `tree`, as `state_dict` returns it.
 
-        Works before the first batch too: the state is then built from `tree` at once
-        (`params`, `state`, `global_step` are available right away), and the model's
-        variables are checked against it when the first batch shows their shapes.
+        Works before the first batch too: the state is built from `tree` at once, and the
+        model's variables are checked against it when the first batch shows their shapes.
 
         Args:
           tree: nested dicts of arrays, as `state_dict()` returns.
@@ -308,10 +313,9 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float | None:
-        """The optimizer's live learning rate, or None when it has none or before the first step.
+        """The live learning rate, or None before the first step or without one to read.
 
-        To have one to read, build the optimizer with `loopax.optimizers` or
-        `optax.inject_hyperparams`.
+        To have one, build the optimizer with `loopax.optimizers` or `optax.inject_hyperparams`.
         """
         rate = self._placed.learning_rate_array()
         return None if rate is None else float(np.asarray(jax.device_get(rate)))
@@ -336,10 +340,9 @@ class Trainer:
         self._placed.set_learning_rate(value)
 
     def nnx_module(self) -> Any:
-        """The `flax.nnx.Module` this trainer trains, updated in place with the trained values.
+        """The `flax.nnx.Module` this trainer trains, holding the trained values.
 
-        It holds the current parameters and model state, ready to call (`module.eval()` for
-        inference).
+        Ready to call (`module.eval()` for inference).
 
         Raises:
           TypeError: the trainer's model is not an NNX module.
@@ -352,8 +355,7 @@ class Trainer:
         """Runs one optimizer step on a global batch; returns the train metrics.
 
         With `accumulate_steps` > 1, each input and label has a leading axis of
-        micro-batches (see the class). The values stay on the device: reading one (e.g.
-        `float(m["loss"])`) waits for the step.
+        micro-batches. The values stay on the device: reading one waits for the step.
 
         Returns:
           `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then
@@ -396,8 +398,8 @@ class Trainer:
     def run(self, dispatch: Dispatch) -> StepResult:
         """Runs one dispatch of the loop as one compiled call.
 
-        `OneStep` runs `train_step`, `Stacked` `train_steps`, and `OnDevice` a program of
-        `train_steps` that takes each step's batch from the devices' arrays itself.
+        `OneStep` runs `train_step`, `Stacked` `train_steps`, and `OnDevice` a fused program
+        taking each step's batch from the devices' arrays itself.
 
         Returns:
           The `StepResult` of the dispatch's `dispatch.count` optimizer steps.
@@ -418,8 +420,6 @@ class Trainer:
             "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
             f"{type(dispatch).__name__}"
         )
-
-    # -- evaluation and prediction --------------------------------------------------------
 
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
