@@ -159,6 +159,9 @@ class Checkpointer:
             keep_best=self.keep_best,
             keep_period=self.keep_period,
             barrier_prefix=namespace,
+            # Orbax removes leftovers in a thread of its own, which a program ending at once
+            # would cut off with a traceback at exit: only when there are some.
+            cleanup=bool(leftovers),
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.

@@ -11,6 +11,7 @@ for all.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import warnings
 import zlib
@@ -258,6 +259,7 @@ def open_manager(
     keep_period: int | None = None,
     create: bool = True,
     barrier_prefix: str | None = None,
+    cleanup: bool | None = None,
 ) -> Any:
     """The Orbax `CheckpointManager` of a loopax checkpoint directory, with its retention.
 
@@ -267,6 +269,8 @@ def open_manager(
     With several processes Orbax's barriers go through the coordination service (named with
     `barrier_prefix`), not through a device collective, so a save can run beside the
     training thread's steps; the directory must then exist already (Orbax creates none).
+    `cleanup` (default: `create`) has Orbax remove the leftovers of cut-off saves. A reader
+    (`create=False`) is opened quietly: Orbax's notes that it is read-only are not shown.
     """
     from orbax.checkpoint import checkpoint_managers as policies  # noqa: PLC0415
 
@@ -294,15 +298,23 @@ def open_manager(
         # The loopax writer thread makes the whole save, so Orbax itself saves synchronously.
         enable_async_checkpointing=False,
         # Leftovers of saves cut off by a crash: never committed, so never checkpoints.
-        cleanup_tmp_directories=create,
+        cleanup_tmp_directories=create if cleanup is None else cleanup,
         create=create and processes == 1,
         read_only=not create,
+        save_interval_steps=1 if create else 0,  # a reader saves nothing (Orbax says so)
     )
-    return ocp.CheckpointManager(
-        directory,
-        options=options,
-        item_handlers={
-            STATE_ITEM: ocp.StandardCheckpointHandler(),
-            BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
-        },
-    )
+    absl = logging.getLogger("absl")
+    level = absl.level
+    if not create:  # "Given directory is read only": what a reader is, not news
+        absl.setLevel(logging.ERROR)
+    try:
+        return ocp.CheckpointManager(
+            directory,
+            options=options,
+            item_handlers={
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                BUNDLE_ITEM: ocp.JsonCheckpointHandler(),
+            },
+        )
+    finally:
+        absl.setLevel(level)
