@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> float:
     checkpointer = hooks.checkpoint(
         loop,
         os.path.join(args.dir, "checkpoints"),
-        every_n_steps=500,
-        best_metric="eval/val/mean_loss",
+        every_n_steps=100,  # at every evaluation: the best step is kept on disk, so early
+        best_metric="eval/val/mean_loss",  # stopping restores it in a rerun too
     )
     if trainer.global_step > 0:
         print(f"resumed from step {trainer.global_step} in {args.dir}")

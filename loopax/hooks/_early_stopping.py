@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from .. import _warnings
 from .._validate import non_negative_int
 from ..loop import Loop, Priority
+from ..loop._internal import from_plain
 from ..trainer import Trainer
+from ._checkpointing._checkpointer import CHECKPOINTERS
 from ._metric_info import is_writer_process
 from ._monitor import MetricMonitor, check_number
 from ._train_state import state_of
@@ -200,6 +202,8 @@ class EarlyStopping(MetricMonitor):
         if self.best_step == trainer.global_step:
             return  # the trainer holds the best parameters already
         if self._best_copy is None or self._best_copy_step != self.best_step:
+            self._best_copy = self._read_best_checkpoint(loop)
+        if self._best_copy is None:
             _warnings.warn(
                 f"{self.name}: the best {self.monitor} ({self.best:.6g}) was at step "
                 f"{self.best_step}, before the training last resumed from a checkpoint, so "
@@ -217,6 +221,28 @@ class EarlyStopping(MetricMonitor):
         trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
         self.restored_step = self.best_step
         self._say(f"{self.name}: restored the parameters of step {self.best_step}")
+
+    def _read_best_checkpoint(self, loop: Loop) -> tuple[Any, Any] | None:
+        """The best step's (params, model state) from a checkpoint hook keeping it, or None.
+
+        After a resume the best parameters are not in memory; a `hooks.checkpoint` with
+        this monitor as its `best_metric` keeps them on disk.
+        """
+        for checkpointer in loop.shared_data.get(CHECKPOINTERS, []):
+            if checkpointer.best_metric == self.monitor and self.best_step in (
+                checkpointer.all_steps()
+            ):
+                plain = checkpointer.read(self.best_step)
+                state = state_of(loop.trainer, self.name)
+                where = f"checkpoint {self.best_step} of {str(checkpointer.directory)!r}"
+                best = from_plain(
+                    {"params": state.params, "model_state": state.model_state},
+                    {"params": plain["params"], "model_state": plain.get("model_state", {})},
+                    where,
+                )
+                self._best_copy_step = self.best_step
+                return best["params"], best["model_state"]
+        return None
 
     def get_state(self) -> dict[str, Any]:
         """The counters a checkpoint saves (JSON): best, best step, wait, stop."""

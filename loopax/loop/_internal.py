@@ -9,6 +9,7 @@ change to one of these helpers shows whom it touches. Public names (`Loop`, `Pri
 from ..data._datasets import dataset_name as dataset_name
 from ..data._iterables import reads_a_copy as reads_a_copy
 from ..trainer._state import first_non_finite as first_non_finite
+from ..trainer._state import from_plain as from_plain
 from ..trainer._state import tree_paths as tree_paths
 from ._history import train_key as train_key
 from ._hook import NEVER as NEVER
@@ -19,6 +20,7 @@ __all__ = [
     "AnyOf",
     "dataset_name",
     "first_non_finite",
+    "from_plain",
     "reads_a_copy",
     "train_key",
     "tree_paths",

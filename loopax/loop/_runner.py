@@ -196,10 +196,18 @@ class Runner:
         dataset = self._iterable.dataset(dataset, self._trainer)
         check_restartable(dataset, "run_epochs")
         with self._run(dataset, -1):
+            # A position restored from a save at an epoch's end (every_n_epochs) is at the
+            # end of its data: the run starts with the next pass, not with an empty one.
+            at_end_of_pass = True
             while self.epoch < epochs and not self._stops_here():
                 self._epoch_batches = 0
                 if not self._train_until(dataset, NEVER):
                     break  # a stop was requested
+                if self._epoch_batches == 0 and at_end_of_pass:
+                    at_end_of_pass = False
+                    dataset.reset()
+                    continue
+                at_end_of_pass = False
                 if self._epoch_batches == 0:
                     raise ValueError(
                         f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"

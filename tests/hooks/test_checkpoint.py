@@ -666,3 +666,38 @@ def test_a_run_that_raises_waits_for_its_save_in_flight(trainer, tmp_path, monke
     # When the error reaches the caller, the save issued before it is committed.
     assert checkpointer.all_steps() == [2]
     assert sorted(os.listdir(tmp_path)) == ["2"]
+
+
+def test_run_epochs_resumes_from_a_checkpoint_taken_at_an_epochs_end(tmp_path):
+    """Keras's every-epoch checkpoint: the saved position is at the end of its pass."""
+
+    def new_loop():
+        trainer = loopax.Trainer(
+            lambda ctx, spec, inputs: nn.Dense(1)(inputs[0]),
+            loopax.losses.mean_squared_error,
+            optax.sgd(0.05),
+            devices=jax.devices()[:1],
+        )
+        return loopax.Loop(trainer)
+
+    def data():
+        x = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
+        return loopax.ArrayDataset(x, x.sum(axis=1, keepdims=True), 8, seed=5)
+
+    uninterrupted = new_loop()
+    uninterrupted.run_epochs(data(), 3)
+
+    first = new_loop()
+    hooks.checkpoint(first, tmp_path, every_n_epochs=1)
+    first.run_epochs(data(), 2)
+    resumed = new_loop()
+    hooks.checkpoint(resumed, tmp_path, every_n_epochs=1)
+    assert resumed.trainer.global_step == 6
+    resumed.run_epochs(data(), 1)  # the third epoch, with its own shuffle
+    assert resumed.trainer.global_step == 9
+    for got, want in zip(
+        jax.tree.leaves(resumed.trainer.params),
+        jax.tree.leaves(uninterrupted.trainer.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

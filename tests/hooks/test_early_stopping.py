@@ -503,6 +503,34 @@ def test_a_resumed_process_after_a_stop_trains_no_further(trainer, tmp_path, com
     assert any("before the training last resumed" in m for m in messages)
 
 
+def test_a_rerun_of_a_finished_run_restores_the_best_from_the_checkpoint(
+    trainer, tmp_path, compiled
+):
+    def attach(loop, values):
+        hooks.checkpoint(loop, tmp_path, every_n_steps=2, best_metric=MONITOR)  # keeps the best
+        hooks.evaluate(loop, ScriptedEval(values), every_n_steps=2)
+        return hooks.early_stopping(loop, MONITOR, patience=2)
+
+    loop = loopax.Loop(trainer)
+    attach(loop, [1.0, 0.5, 0.75, 0.75])
+    states = record_states(loop)
+    loop.run_to_step(train_data(), 20)
+    assert trainer.global_step == 8
+    best = jax.device_get((trainer.params, trainer.state.model_state))
+    assert_trees_equal(states[4].params, best[0])
+
+    trainer.state = jax.tree.map(np.array, compiled[1])  # as a fresh process would start
+    resumed = loopax.Loop(trainer)
+    restarted = attach(resumed, [0.75])
+    with pytest.warns(RuntimeWarning, match="stopped this training at step 8") as warned:
+        resumed.run_to_step(train_data(), 20)
+    # The best parameters (step 4) come back from the checkpoint the hook kept: the rerun
+    # reports what the first run reported.
+    assert restarted.restored_step == 4 and len(warned) == 1
+    assert_trees_equal(best[0], trainer.params)
+    assert_trees_equal(best[1], trainer.state.model_state)
+
+
 def test_doctests():
     results = doctest.testmod(_early_stopping, optionflags=doctest.ELLIPSIS)
     assert results.attempted > 0 and results.failed == 0

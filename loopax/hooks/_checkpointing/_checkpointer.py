@@ -421,6 +421,17 @@ class Checkpointer:
         _logger.info("restored checkpoint %s (step %d)", self.directory / str(step), step)
         return step
 
+    def read(self, step: int) -> dict:
+        """Checkpoint `step`'s train state in plain form (as `state_dict()`), changing nothing.
+
+        Verified as a restore is, and agreed on every process. Raises as `restore(step)`.
+        """
+        self.wait()
+        state, bundle = read_agreed(
+            self._manager, self._ocp, step, self.coordination, f"read{next(self._exchanges)}"
+        )
+        return named_train_metrics(state, bundle["version"], self.trainer.train_metric_state_names)
+
     def restore_best(self) -> int | None:
         """Restores the best checkpoint by `best_metric` (see `best_step`).
 
