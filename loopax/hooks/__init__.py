@@ -9,6 +9,7 @@ from ._checkpointing._coordination import CoordinationError as CoordinationError
 from ._checkpointing._hook import checkpoint as checkpoint
 from ._checkpointing._io import DamagedCheckpointError as DamagedCheckpointError
 from ._checkpointing._writer import BackgroundSaveError as BackgroundSaveError
+from ._checkpointing._writer import NonFiniteSaveError as NonFiniteSaveError
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._early_stopping import early_stopping as early_stopping
 from ._evaluate import Evaluator as Evaluator
@@ -72,6 +73,7 @@ __all__ = [
     "NTimes",
     "NanGuard",
     "NoGoodCheckpointError",
+    "NonFiniteSaveError",
     "Periodic",
     "Plotter",
     "Profiler",

@@ -701,3 +701,30 @@ def test_run_epochs_resumes_from_a_checkpoint_taken_at_an_epochs_end(tmp_path):
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_save_refused_for_nan_state_is_caught_as_non_finite_loss_error(trainer, tmp_path):
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1000)
+    loop.run_steps(make_dataset(), 2)
+    checkpointer.wait()
+    state = trainer.state
+    nan = jax.tree.map(lambda a: a * np.nan, state.params)
+    trainer.state = state.replace(params=nan, step=np.int32(3))  # a new step to save
+    checkpointer.save()
+    with pytest.raises(loopax.NonFiniteLossError, match="refused to save checkpoint 3") as error:
+        checkpointer.wait()
+    assert isinstance(error.value, hooks.BackgroundSaveError)  # both, as before
+    assert checkpointer.all_steps() == [2]  # the good checkpoint of step 2 is kept
+
+
+def test_a_deleted_directory_is_named_at_the_next_save_not_recreated(trainer, tmp_path):
+    directory = tmp_path / "ckpt"
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, directory, every_n_steps=2)
+    loop.run_steps(make_dataset(), 2)
+    checkpointer.wait()
+    shutil.rmtree(directory)
+    with pytest.raises(loopax.HookError, match=r"'.*ckpt' was deleted or moved while training"):
+        loop.run_steps(make_dataset(), 4)
+    assert not directory.exists()

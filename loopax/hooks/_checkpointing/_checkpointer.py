@@ -261,6 +261,7 @@ class Checkpointer:
         Raises:
           RuntimeError: the trainer has no state yet (before its first batch).
           NonFiniteLossError: a loss so far is NaN or infinite.
+          FileNotFoundError: the directory was deleted after a save.
         """
         del metrics
         if self.trainer.state is None:
@@ -271,6 +272,11 @@ class Checkpointer:
         # First: the check may hand skipped steps to a nan_guard, which may roll back.
         self.loop.check_finite()
         step = self.trainer.global_step
+        if self._last_saved_step is not None and not self.directory.exists():
+            raise FileNotFoundError(  # never re-created quietly, holding only later steps
+                f"the checkpoint directory {str(self.directory)!r} was deleted or moved "
+                f"while training (checkpoints up to step {self._last_saved_step} were there)"
+            )
         if step == self._last_saved_step or step in self._manager.all_steps():
             return None
         snapshot = take(self.trainer)

@@ -8,9 +8,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ...loop import NonFiniteLossError
+
 
 class BackgroundSaveError(RuntimeError):
     """A checkpoint save in the background failed; the message names the directory."""
+
+
+class NonFiniteSaveError(BackgroundSaveError, NonFiniteLossError):
+    """A save refused because the state holds NaN or infinite values.
+
+    Both a `BackgroundSaveError` and a `loopax.NonFiniteLossError`: `except
+    NonFiniteLossError` catches it wherever it surfaces (`wait()`, the next step).
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        NonFiniteLossError.__init__(self, message, step)
 
 
 class BackgroundWriter:
@@ -42,9 +55,11 @@ class BackgroundWriter:
         self._lock = threading.Lock()
 
     def _error(self, err: BaseException) -> BackgroundSaveError:
-        error = BackgroundSaveError(
-            f"saving a checkpoint to {self.where!r} failed: {type(err).__name__}: {err}"
-        )
+        message = f"saving a checkpoint to {self.where!r} failed: {type(err).__name__}: {err}"
+        if isinstance(err, NonFiniteLossError):
+            error: BackgroundSaveError = NonFiniteSaveError(message, err.step)
+        else:
+            error = BackgroundSaveError(message)
         error.__cause__ = err
         return error
 
