@@ -15,15 +15,12 @@ class BackgroundSaveError(RuntimeError):
     """A checkpoint save in the background failed; the message names the directory."""
 
 
-class NonFiniteSaveError(BackgroundSaveError, NonFiniteLossError):
+class NonFiniteSaveError(NonFiniteLossError):
     """A save refused because the state holds NaN or infinite values.
 
-    Both a `BackgroundSaveError` and a `loopax.NonFiniteLossError`: `except
-    NonFiniteLossError` catches it wherever it surfaces (`wait()`, the next step).
+    A `loopax.NonFiniteLossError`: `except NonFiniteLossError` catches it wherever it
+    surfaces (`wait()`, the next step), as it catches a non-finite loss.
     """
-
-    def __init__(self, message: str, step: int | None = None):
-        NonFiniteLossError.__init__(self, message, step)
 
 
 class BackgroundWriter:
@@ -54,10 +51,10 @@ class BackgroundWriter:
         self._pending: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
 
-    def _error(self, err: BaseException) -> BackgroundSaveError:
+    def _error(self, err: BaseException) -> Exception:
         message = f"saving a checkpoint to {self.where!r} failed: {type(err).__name__}: {err}"
         if isinstance(err, NonFiniteLossError):
-            error: BackgroundSaveError = NonFiniteSaveError(message, err.step)
+            error: Exception = NonFiniteSaveError(message, err.step)
         else:
             error = BackgroundSaveError(message)
         error.__cause__ = err
@@ -94,6 +91,7 @@ class BackgroundWriter:
 
         Raises:
           BackgroundSaveError: a save failed (the original error is chained).
+          NonFiniteSaveError: a save was refused for NaN or infinite values.
         """
         with self._lock:
             pending, self._pending = self._pending, []
