@@ -10,7 +10,9 @@ checkpoints and data parallelism then treat all three alike.
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -233,3 +235,35 @@ def adapt(model: Any, axis_name: str | None, annotate: bool = False) -> Any:
         f"the model must be a model function model_fn(ctx, spec, inputs), a flax.linen.Module "
         f"or a flax.nnx.Module, got {type(model).__name__}"
     )
+
+
+_NNX_RNGS_FIX = (
+    "loopax: build the layer with its RNG streams in __init__, e.g. "
+    "`nnx.Dropout(rate, rngs=rngs)`: loopax calls an NNX module as `module(*inputs)`, passing "
+    "no `rngs` at call time, and derives its `nnx.Rngs` streams per step and device"
+)
+
+
+@contextlib.contextmanager
+def explained_model_errors(model: Any, spec: Any, inputs: Any, what: str) -> Iterator[None]:
+    """Adds a note to an error the model raises while traced: the model and the batch's shapes.
+
+    An NNX layer built without its `rngs` (the tutorial's `nnx.Dropout(rate)`, `rngs` at
+    call time) gets the fix named as well.
+    """
+    try:
+        yield
+    except Exception as err:
+        add_note = getattr(err, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            shapes = [tuple(getattr(x, "shape", ())) for x in inputs]
+            given = getattr(model, "model_fn", None) or getattr(model, "module", model)
+            name = getattr(given, "__name__", None) or type(given).__name__
+            add_note(
+                f"loopax: raised by the model {name} while {what}, on "
+                f"inputs of shapes {shapes} (one device's share of the batch) for spec "
+                f"{spec!r}"
+            )
+            if "no `rngs` argument was provided" in str(err):
+                add_note(_NNX_RNGS_FIX)
+        raise

@@ -23,6 +23,7 @@ from ..metrics._mean import (
 )
 from ._collectives import Collectives
 from ._host_metrics import HostMetrics, StepValues, merge_step_values
+from ._models import explained_model_errors
 from ._parallel import Strategy
 from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
 from ._state import TrainState
@@ -180,15 +181,16 @@ class StepBuilder:
         """
         dtype = self.config.compute_dtype
         variables = {"params": cast_floating(params, dtype), **model_state}
-        (predictions, added_loss), new_model_state = self.module.apply(
-            variables,
-            spec,
-            cast_floating(list(inputs), dtype),
-            training,
-            rngs=self._rngs(rng, step, micro),
-            mutable=list(model_state.keys()),
-            global_step=step,
-        )
+        with explained_model_errors(self.module, spec, inputs, "running a step"):
+            (predictions, added_loss), new_model_state = self.module.apply(
+                variables,
+                spec,
+                cast_floating(list(inputs), dtype),
+                training,
+                rngs=self._rngs(rng, step, micro),
+                mutable=list(model_state.keys()),
+                global_step=step,
+            )
         if dtype is not None:  # batch statistics computed in the compute dtype keep theirs
             new_model_state = jax.tree.map(
                 lambda new, old: new.astype(old.dtype), dict(new_model_state), dict(model_state)
@@ -214,9 +216,10 @@ class StepBuilder:
         """Per-device: creates the model's variables from one device's shard."""
         key = jax.random.fold_in(rng, _INIT_STREAM)
         params_key, dropout_key = jax.random.split(key)
-        variables = self.module.init(
-            {"params": params_key, "dropout": dropout_key}, spec, inputs, True
-        )
+        with explained_model_errors(self.module, spec, inputs, "creating its variables"):
+            variables = self.module.init(
+                {"params": params_key, "dropout": dropout_key}, spec, inputs, True
+            )
         return dict(variables)
 
     def _gradients(self, state, model_state, spec, rng, inputs, labels, scale, micro=None):

@@ -280,3 +280,40 @@ def test_a_model_without_trainable_parameters_is_an_error_at_its_first_step():
 def test_what_is_not_a_model_is_refused():
     with pytest.raises(TypeError, match="the model must be a model function .* got int"):
         make_trainer(3)
+
+
+def test_model_errors_name_the_model_and_shapes_and_the_nnx_rngs_fix():
+    import optax
+    from flax import nnx
+
+    class TutorialStyle(nnx.Module):  # rngs at call time, Dropout built without them
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5)
+
+        def __call__(self, x, rngs=None):
+            return self.dropout(self.linear(x), rngs=rngs)
+
+    class WrongWidth(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(5, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    x, y = np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)
+    for module, error, notes in [
+        (TutorialStyle, ValueError, ["model TutorialStyle", "nnx.Dropout(rate, rngs=rngs)"]),
+        (WrongWidth, TypeError, ["model WrongWidth while running a step", "[(4, 3)]"]),
+    ]:
+        trainer = loopax.Trainer(
+            module(nnx.Rngs(0)),
+            loopax.losses.mean_squared_error,
+            optax.sgd(0.1),
+            devices=jax.devices()[:1],
+        )
+        with pytest.raises(error) as raised:
+            trainer.train_step(None, [x], [y])
+        shown = "\n".join(getattr(raised.value, "__notes__", []))
+        for note in notes:
+            assert note in shown, shown
