@@ -10,6 +10,7 @@ import importlib
 import types
 from typing import TYPE_CHECKING
 
+from ._compilation_cache import set_compilation_cache as set_compilation_cache
 from ._params import load_params as load_params
 from ._public import show_errors_under
 from .data import ArrayDataset as ArrayDataset
@@ -67,6 +68,7 @@ __all__ = [
     "losses",
     "metrics",
     "optimizers",
+    "set_compilation_cache",
     "testing",
 ]
 

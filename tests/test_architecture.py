@@ -20,6 +20,7 @@ FLOORS = {
     "_devices": 0,
     "_validate": 0,
     "_public": 0,
+    "_compilation_cache": 0,
     "_warnings": 0,
     "metrics": 1,
     "losses": 1,

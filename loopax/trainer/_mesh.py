@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.stages import Wrapped
 
+from .._compilation_cache import enable_default_cache
 from .._devices import Device
 from ._layout import DATA, Layout, check_rules
 from ._parallel import Strategy, choose
@@ -304,9 +305,13 @@ def choose_strategy(
 
     `Sharded` when `mesh`, `rules` or `fsdp` is given, else `choose(parallel, devices)`.
 
+    It also turns on the persistent compilation cache the strategy's programs go to
+    (`loopax.set_compilation_cache`).
+
     Raises:
       ValueError: as `choose` and `build_mesh`; `parallel="pmap"` with a mesh; bad rules.
     """
+    enable_default_cache()
     if mesh is None and rules is None and not fsdp:
         return choose(parallel, devices)
     if parallel != "shard_map":
