@@ -33,7 +33,9 @@ def history(client, run_id):
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, monkeypatch):
+    # MLflow puts a sqlite store's artifacts under ./mlruns: keep them in the test's directory.
+    monkeypatch.chdir(tmp_path)
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
