@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 DEVICE_COUNT = 4
@@ -248,17 +249,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    for _, section in sections(args):
-        print()
-        print(section["title"])
-        for row in section["rows"]:
-            if len(row) == 2:
-                print(f"  {row[0]:48} {row[1]}")
-            else:
-                label, rate, ratio, spread = row
-                goal = section.get("targets", {}).get(label)
-                mark = "" if goal is None else f"  >= {goal}  {'PASS' if ratio >= goal else 'FAIL'}"
-                print(f"  {label:48} {rate:9.0f} steps/s  {ratio:.3f} ± {spread:.3f}{mark}")
+    from run_all import print_table  # noqa: PLC0415 - the suite's table, for this section alone
+
+    started, load_before = time.perf_counter(), os.getloadavg()
+    print_table(sections(args), started, load_before)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
@@ -52,9 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch(argv: list[str]) -> int:
     """Starts this script as processes 0 and 1 on this machine; their worst exit status."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    from loopax.testing import free_port  # noqa: PLC0415 - jax loads in the workers only
+
+    coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
     env["JAX_PLATFORMS"] = "cpu"

@@ -68,7 +68,7 @@ def load_params(directory: str | os.PathLike[str], step: int | None = None) -> A
                     f"no checkpoint of step {step} in {str(directory)!r}; there are {sorted(steps)}"
                 )
             return read(manager, ocp, step)[0]["params"]
-        found = read_newest_good(manager, ocp, directory, move_damaged=False, stacklevel=3)
+        found = read_newest_good(manager, ocp, directory, move_damaged=False)
         if found is None:
             raise DamagedCheckpointError(f"every checkpoint in {str(directory)!r} is damaged")
         return found[1]["params"]

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from ..loop import Loop, Priority
+from ..optimizers._learning_rate import injected_hyperparameters
 from ._metric_info import is_writer_process
 from ._plot import PLOTTERS
 from ._tensorboard import run_summary
@@ -29,21 +30,6 @@ def _client(tracking_uri: str | None) -> Any:
             "sqlalchemy and alembic for a local sqlite:/// store)"
         ) from err
     return MlflowClient(tracking_uri=tracking_uri)
-
-
-def optimizer_hyperparameters(opt_state: Any) -> dict[str, float]:
-    """The scalar hyperparameters injected in `opt_state` (`optax.inject_hyperparams`)."""
-
-    def injected(node: Any) -> bool:
-        return isinstance(getattr(node, "hyperparams", None), dict)
-
-    found: dict[str, float] = {}
-    for node in jax.tree_util.tree_leaves(opt_state, is_leaf=injected):
-        if injected(node):
-            for name, value in node.hyperparams.items():
-                if np.ndim(value) == 0 and name not in found:
-                    found[name] = float(np.asarray(jax.device_get(value)))
-    return found
 
 
 class MlflowWriter(MetricWriter):
@@ -120,7 +106,7 @@ class MlflowWriter(MetricWriter):
             params["batch_size"] = self._batch_size * jax.process_count()
         state = trainer.state
         if state is not None:
-            for name, value in optimizer_hyperparameters(state.opt_state).items():
+            for name, value in injected_hyperparameters(state.opt_state).items():
                 params[f"optimizer/{name}"] = f"{value:.6g}"
         mesh = getattr(trainer, "mesh", None)
         if mesh is not None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .. import _validate
+from .. import _validate, _warnings
 from ..data._datasets import BadBatchError, Dataset, shown_name
 from ..data._iterables import RunIterable, check_restartable
 from ..data._reader import StepReader, power_of_two_at_most
@@ -157,11 +156,9 @@ class Runner:
         epoch_hooks = self._hooks.of("OnEpochEnd")
         if epoch_hooks and not self._warned_epoch_hooks:
             self._warned_epoch_hooks = True
-            warnings.warn(
+            _warnings.warn(
                 f"hooks {[hook.name for hook in epoch_hooks]} run at epoch ends, which only "
-                "run_epochs has; run_steps will not call them",
-                RuntimeWarning,
-                stacklevel=3,
+                "run_epochs has; run_steps will not call them"
             )
         with self._run(dataset, self._trainer.global_step + steps):
             # A stop requested by an OnStart hook runs no step, as in run_epochs.
@@ -180,11 +177,9 @@ class Runner:
         remaining = global_step - self._trainer.global_step
         if remaining <= 0:
             if remaining < 0:
-                warnings.warn(
+                _warnings.warn(
                     f"run_to_step({global_step}): the trainer is already at global step "
-                    f"{self._trainer.global_step}, past the target; nothing to run",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    f"{self._trainer.global_step}, past the target; nothing to run"
                 )
             self.loop_step = self._trainer.global_step
             return {}

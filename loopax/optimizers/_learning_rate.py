@@ -178,6 +178,16 @@ def injected_learning_rates(opt_state: Any) -> list[float]:
     ]
 
 
+def injected_hyperparameters(opt_state: Any) -> dict[str, float]:
+    """The scalar hyperparameters injected in `opt_state`, the first of each name, as floats."""
+    found: dict[str, float] = {}
+    for node in _injected_states(opt_state):
+        for name, value in node.hyperparams.items():
+            if np.ndim(value) == 0 and name not in found:
+                found[name] = float(np.asarray(jax.device_get(value)))
+    return found
+
+
 def with_learning_rates(opt_state: Any, rates: list[float]) -> Any:
     """`opt_state` with its injected learning rates set to `rates`, in the order above."""
     if len(rates) != len(_injected_states(opt_state)):

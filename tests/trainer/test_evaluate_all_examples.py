@@ -7,7 +7,6 @@ out of every merge. Results are checked against NumPy over every example and one
 
 import itertools
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import pytest
 
 import loopax
 from loopax import metrics
+from loopax.testing import free_port
 
 ONE_DEVICE = jax.devices()[:1]
 FOUR_DEVICES = jax.devices()[:4]
@@ -354,16 +354,10 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_workers(tmp_path, num_processes, local_examples):
     worker = tmp_path / "eval_worker.py"
     worker.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     processes = [
         subprocess.Popen(
             [sys.executable, str(worker), port, str(num_processes), str(index), str(examples)],

@@ -27,7 +27,6 @@ import itertools
 import logging
 import math
 import os
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import jax
 
-from ... import _validate
+from ... import _validate, _warnings
 from ...loop import Loop, NonFiniteLossError
 from ...trainer import Trainer
 from .._metric_info import split_eval_key
@@ -142,12 +141,10 @@ class Checkpointer:
             leftovers = _incomplete_saves(self.directory)  # its saves are done now
         _ACTIVE[self.directory] = weakref.ref(self)
         if leftovers and jax.process_index() == 0:
-            warnings.warn(
+            _warnings.warn(
                 f"{str(self.directory)!r} holds {len(leftovers)} incomplete save(s) {leftovers}: "
                 "cut off before their commit (a crash or a second interrupt), they never "
-                "became checkpoints and are removed; the newest complete checkpoint is used",
-                RuntimeWarning,
-                stacklevel=3,
+                "became checkpoints and are removed; the newest complete checkpoint is used"
             )
 
         self._manager = open_manager(

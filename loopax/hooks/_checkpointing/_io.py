@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import _warnings
 from ...loop._internal import first_non_finite, tree_paths
 from ._coordination import Coordination
 from ._fingerprint import host_fingerprint
@@ -181,7 +181,6 @@ def read_newest_good(
     directory: Path,
     *,
     move_damaged: bool = True,
-    stacklevel: int = 4,
     coordination: Coordination | None = None,
     key: str = "restore",
 ) -> tuple[int, dict, dict] | None:
@@ -215,11 +214,9 @@ def read_newest_good(
         moved = set_aside(directory, step) if move_damaged else None
         kept = "moved aside" if together and move_damaged else "left in place"
         kept = f"moved to {str(moved)!r}" if moved else kept
-        warnings.warn(
+        _warnings.warn(
             f"checkpoint {str(directory / str(step))!r} is damaged ({error}); falling back: "
-            f"reading the next newest. It was not deleted: it was {kept}",
-            RuntimeWarning,
-            stacklevel=stacklevel,
+            f"reading the next newest. It was not deleted: it was {kept}"
         )
         if move_damaged:  # on every process: process 0 moved it
             if together:

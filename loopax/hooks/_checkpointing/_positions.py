@@ -9,9 +9,9 @@ process raise, instead of leaving the others waiting in the first step's collect
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
+from ... import _warnings
 from ._coordination import Coordination
 
 
@@ -29,13 +29,11 @@ def _apply(dataset: Any, saved: dict, step: int | None) -> None:
     if name in saved and callable(getattr(dataset, "set_state", None)):
         dataset.set_state(saved[name])
         return
-    warnings.warn(
+    _warnings.warn(
         f"the checkpoint of step {step} holds the position of dataset(s) "
         f"{sorted(saved)}, but this run trains on {name!r}"
         f"{'' if callable(getattr(dataset, 'set_state', None)) else ' (no set_state)'}; "
-        "it starts where it is, so the batches differ from an uninterrupted run",
-        RuntimeWarning,
-        stacklevel=4,
+        "it starts where it is, so the batches differ from an uninterrupted run"
     )
 
 
