@@ -8,11 +8,15 @@ import shutil
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from v1_fixture import END_STEP, FIXTURE, SAVED_STEP, make_trainer, run, summary
+from v1_fixture import END_STEP, FIXTURE, SAVED_STEP, make_data, make_trainer, run, summary
 
 import loopax
 from loopax import hooks
 from loopax.hooks._checkpointing._io import open_manager, read
+
+# Across CPUs: a few float32 ulps (see the test below).
+FIXTURE_RTOL = 1e-6
+NOISE_PARAMETER = "['Dense_0']['bias']"
 
 
 def as_lists(history):
@@ -36,23 +40,69 @@ def test_v1_checkpoint_restores_and_continues_bit_identically(tmp_path):
     # The run resumed at the saved step, not from scratch.
     assert sorted(int(entry.name) for entry in directory.iterdir()) == [SAVED_STEP, 16, END_STEP]
 
-    # What loopax wrote the checkpoint with computed, after an uninterrupted run:
+    # What loopax wrote the checkpoint with computed, after an uninterrupted run. That run
+    # was on another machine: XLA compiles for the host CPU's vector width, so its float sums
+    # may differ in the last bits here (seen: 1.5e-8 on an AVX-512 machine for a fixture
+    # made on an AVX2 one). Bit for bit is asserted below, against today's run on this CPU.
+    # The bias of the Dense before the BatchNorm is left out: its gradient is zero in exact
+    # arithmetic (the normalization removes it), so what it gets is rounding noise, which
+    # adam scales up to full-size steps: it differs in every digit across CPUs.
     assert resumed["params"].keys() == expected["params"].keys()
     for key, values in expected["params"].items():
-        np.testing.assert_array_equal(np.asarray(resumed["params"][key]), np.asarray(values))
-    assert resumed["last_metrics"] == expected["last_metrics"]
-    assert as_lists(resumed["history"]) == expected["history"]
+        if key != NOISE_PARAMETER:
+            np.testing.assert_allclose(
+                np.asarray(resumed["params"][key]), np.asarray(values), rtol=FIXTURE_RTOL
+            )
+    assert resumed["last_metrics"].keys() == expected["last_metrics"].keys()
+    for key, value in expected["last_metrics"].items():
+        np.testing.assert_allclose(resumed["last_metrics"][key], value, rtol=FIXTURE_RTOL)
+    history = as_lists(resumed["history"])
+    assert history.keys() == expected["history"].keys()
+    for key, points in expected["history"].items():
+        assert [step for step, _ in history[key]] == [step for step, _ in points], key
+        np.testing.assert_allclose(
+            [value for _, value in history[key]],
+            [value for _, value in points],
+            rtol=FIXTURE_RTOL,
+            err_msg=key,
+        )
 
-    # And what the code of today computes uninterrupted.
-    fresh_trainer, fresh_loop, fresh_last = run(tmp_path / "fresh")
-    fresh = summary(fresh_trainer, fresh_loop, fresh_last)
-    assert fresh["last_metrics"] == resumed["last_metrics"]
-    for path_and_leaf in zip(
-        jax.tree.leaves(jax.device_get(fresh_trainer.state_dict())),
-        jax.tree.leaves(jax.device_get(trainer.state_dict())),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(*path_and_leaf)
+    # And bit for bit on this machine: the same saved arrays loaded by hand (read with Orbax,
+    # the train metric states renamed, the dataset position set) continue to the same state.
+    # (A run started by hand resets the train metrics' running averages, as any run does;
+    # a resumed one continues them: those two differ by design and are left out.)
+    by_hand, by_hand_loop, by_hand_last = run_from_raw_arrays(tmp_path / "by_hand")
+    assert by_hand_last["loss"] == last["loss"]
+    for field in ("step", "params", "opt_state", "model_state", "rng"):
+        want, got = by_hand.state_dict()[field], trainer.state_dict()[field]
+        assert jax.tree.structure(want) == jax.tree.structure(got)
+        for want_leaf, got_leaf in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(want_leaf, got_leaf)
+    assert by_hand_loop.history["train/loss"] == [
+        point for point in loop.history["train/loss"] if point[0] > SAVED_STEP
+    ]
+
+
+def run_from_raw_arrays(directory):
+    """`run` from the fixture's step, its arrays and position set by hand (no v1 restore)."""
+    manager = open_manager(ocp, FIXTURE, create=False)
+    try:
+        saved, bundle = read(manager, ocp, SAVED_STEP)
+    finally:
+        manager.close()
+    names = make_trainer().train_metric_state_names  # version 1 kept them in this order
+    saved["train_metrics"] = {
+        name: saved["train_metrics"][str(index)] for index, name in enumerate(names)
+    }
+    trainer = make_trainer()
+    trainer.load_state_dict(saved)
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, directory, every_n_steps=SAVED_STEP, keep=None, restore=False)
+    hooks.every_n_steps(loop, 3, "read", lambda loop, m: loop.record_train_metrics())
+    data = make_data()
+    data.set_state(bundle["datasets"]["train"])
+    last = loop.run_to_step(data, END_STEP)
+    return trainer, loop, {key: float(np.asarray(value)) for key, value in last.items()}
 
 
 def test_v1_checkpoint_restores_the_train_metric_states_under_their_names(tmp_path):
