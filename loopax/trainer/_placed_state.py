@@ -165,7 +165,9 @@ class PlacedState:
         if self.placed is not None:
             self.state = from_plain(self.state, tree, where)
             return
-        fresh_metrics, fresh_scale = steps.fresh_train_metrics(), steps.fresh_loss_scale()
+        # Shapes only: the tree holds the values (building them would compile tiny programs).
+        fresh_metrics = jax.eval_shape(steps.fresh_train_metrics)
+        fresh_scale = jax.eval_shape(steps.fresh_loss_scale)
         self.adopt(state_from_tree(tree, self._optimizer, fresh_metrics, where, fresh_scale))
         self.unverified_source = where
 

@@ -144,6 +144,8 @@ def state_from_tree(
 
     The optimizer state's structure comes from `optimizer.init` of the tree's parameters
     (abstractly: `jax.Array` leaves stay where they are, never gathered to a host).
+    `fresh_train_metrics` and `loss_scale` give only the shapes and dtypes the tree's train
+    metric states and loss scale must have (arrays or `jax.ShapeDtypeStruct`s).
 
     Raises:
       ValueError: `tree` does not fit (naming the first differing entry).

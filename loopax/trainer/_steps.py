@@ -123,15 +123,19 @@ class StepBuilder:
             MOVING_AVERAGE_LOSS,
             *(m.name for m in config.train_metrics),
         )
+        # Compiled, each into one small program: run op by op, every metric's `init` would
+        # compile a program per operation at a process's first run and evaluation.
+        self.fresh_train_metrics: Callable[[], dict[str, Any]] = jax.jit(self._train_metrics)
+        self.fresh_eval_metrics: Callable[[], dict[str, Any]] = jax.jit(self._eval_metrics)
 
-    def fresh_train_metrics(self) -> dict[str, Any]:
+    def _train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
         return {
             MOVING_AVERAGE_LOSS: self.loss_average.init(),
             **{m.name: m.init() for m in self.config.train_metrics},
         }
 
-    def fresh_eval_metrics(self) -> dict[str, Any]:
+    def _eval_metrics(self) -> dict[str, Any]:
         """The eval metric states before any batch, by name: the mean loss, the user's."""
         return {
             MEAN_LOSS: zero_mean_state(),
