@@ -26,7 +26,9 @@ compiling the 32-step program against the one-step program. The fsdp section (is
 `bench_fsdp.py`), on 4 simulated devices: loopax `mesh={"data": 4}, fsdp=True` against a
 hand-written `jax.jit` step with the same shardings (target >= 0.97), and the per-device
 state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
-50M-parameter MLP.
+50M-parameter MLP. The restart section (issue 25, `bench_restart.py`): the seconds from a
+process's start to its first step, `examples/digits.py` resumed with JAX's compilation cache
+filled against a cold process (target <= 0.4x).
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -62,7 +64,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,fsdp] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,fsdp,restart] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -85,7 +87,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp")
+SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp", "restart")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -703,7 +705,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, fsdp "
+        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
+        "fsdp, restart "
         "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
@@ -745,6 +748,10 @@ def main() -> None:
         import bench_fsdp  # noqa: PLC0415
 
         sections += bench_fsdp.sections(args)
+    if "restart" in only:
+        import bench_restart  # noqa: PLC0415
+
+        sections += bench_restart.sections(args)
     print_table(sections, started, load_before)
 
 
