@@ -7,7 +7,7 @@ plot is rendered, and checked when the hook is attached.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
+import importlib.util
 import math
 import os
 import re
@@ -30,13 +30,13 @@ _TRAIN_PREFIX = "train/"
 
 
 def _require_matplotlib() -> None:
-    try:
-        importlib.import_module("matplotlib")
-    except ImportError as err:
+    # Found, not imported: importing matplotlib takes ~0.5 s, which a resumed process would
+    # wait for before its first step; the render thread imports it when it first draws.
+    if importlib.util.find_spec("matplotlib") is None:
         raise ImportError(
             "loopax.hooks.plot renders PNGs with matplotlib, which is not installed; install it "
             "with `pip install loopax[plot]` (or pass render=False to only write the points)"
-        ) from err
+        )
 
 
 def _file_stem(metric_type: str) -> str:

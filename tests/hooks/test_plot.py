@@ -179,3 +179,22 @@ def test_everything_but_rendering_works_without_matplotlib(tmp_path):
     assert result.stdout.rstrip().endswith("OK")
     assert len(read_points(tmp_path / "points")) == 3 + 2  # train and eval series at step 2
     assert not (tmp_path / "plots").exists()
+
+
+def test_attaching_the_hook_leaves_matplotlib_for_the_render_thread(tmp_path):
+    # Importing matplotlib takes ~0.5 s: a resumed process must not wait for it at attach.
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HELPERS!r})
+        import loopax
+        from loopax import hooks
+        from observability_helpers import new_trainer
+
+        hooks.plot(loopax.Loop(new_trainer()), sys.argv[1])
+        print(sorted(name for name in sys.modules if name.split(".")[0] == "matplotlib"))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
