@@ -14,10 +14,20 @@ candidates that `run_all.py --only fused` times side by side:
 - the compile seconds of K=32 against K=1 (`trainer.on_exec_creation`'s
   `ExecInfo.compile_seconds`).
 
+The shuffled case (issue 25; `run_all.py --only shuffled`) trains on shuffled rows, as every
+user's data is: the fused Loop on an `ArrayDataset(..., on_device=True)` that reshuffles each
+epoch (one permuted copy of the arrays per epoch, on the devices; each step slices its batch
+from it), against the loop a user writes by hand for the same batches: each epoch's
+permutation (the one the dataset draws) applied to the arrays on the device by one gather,
+then `lax.scan`s of K steps slicing contiguous batches of the permuted arrays. Beside them:
+the scan over those batches pre-stacked (no permutation in the timed loop: the ceiling),
+the fused Loop with `shuffled_copy=False` (each step gathers its batch's rows, as before
+issue 25), and Keras `fit(shuffle=True, steps_per_execution=K)` on the same rows.
+
 Until the fused Loop and `on_device=` exist, `fused_loop` answers why not and the
 `train_steps` row stands in for it (see `FEATURES`).
 
-Run: python benchmarks/bench_fused.py [--quick] [--rounds N]   (= run_all.py --only fused)
+Run: python benchmarks/bench_fused.py [--quick] [--rounds N]   (= run_all.py --only fused,shuffled)
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from _common import (
     Batch,
@@ -67,6 +78,17 @@ DATA = "on-device data" if FEATURES["on_device"] else "device batches"
 FUSED = f"loopax Loop, K={K}, README hooks, {DATA}"
 FUSED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
 FUSED_BARE = f"loopax Loop, K={K}, bare, {DATA}"
+
+# The shuffled case: an epoch of SHUFFLED_BATCHES batches (32768 examples on tiny, 8 MiB),
+# drawn once from SHUFFLE_SEED, reshuffled every epoch.
+SHUFFLED_BATCHES = 512
+SHUFFLE_SEED = 0
+SHUFFLED_SCAN = f"hand-written scan, K={K}, permuted per epoch"
+SHUFFLED = f"loopax Loop, K={K}, README hooks, on-device"
+SHUFFLED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
+SHUFFLED_BARE = f"loopax Loop, K={K}, bare, on-device"
+SHUFFLED_GATHER = f"loopax Loop, K={K}, README hooks, no shuffled copy"
+PRESTACKED_SCAN = f"hand-written scan, K={K}, pre-stacked batches"
 
 
 def fused_dataset(
@@ -191,8 +213,9 @@ def fused_loop(
     attach: Callable[[Any], Any] | None = None,
     k: int = K,
     devices: Sequence[Any] | None = None,
+    dataset: Any = None,
 ) -> tuple[Run | None, str]:
-    """The fused Loop, `k` steps a dispatch, on `fused_dataset`.
+    """The fused Loop, `k` steps a dispatch, on `dataset` (default: `fused_dataset`).
 
     With `attach` (the README's hooks), a round is timed up to the first OnEnd hook and
     whole, as the README-hooks rows of `run_all.py` are. Returns the run, or None and why
@@ -205,7 +228,8 @@ def fused_loop(
     loop = loopax.Loop(_trainer(workload, devices), steps_per_execution=k)
     if attach is not None:
         attach(loop)
-    dataset = fused_dataset(workload, batches, k, devices)
+    if dataset is None:
+        dataset = fused_dataset(workload, batches, k, devices)
     loop.run_steps(dataset, k)  # compiles the k-step execution
 
     def run() -> None:
@@ -215,6 +239,115 @@ def fused_loop(
     if attach is None:
         return run, ""
     return split_end_of_run(run, loop), ""
+
+
+def shuffled_arrays(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+    """The shuffled case's rows on the host: `SHUFFLED_BATCHES` batches' worth, random."""
+    rng = np.random.default_rng(SHUFFLE_SEED)
+    examples = SHUFFLED_BATCHES * workload.batch_size
+    x = rng.normal(size=(examples, workload.dims[0])).astype(np.float32)
+    y = rng.integers(0, workload.num_classes, size=(examples,)).astype(np.int32)
+    return x, y
+
+
+def epoch_permutation(examples: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order, as `ArrayDataset(seed=SHUFFLE_SEED)` draws it: the same batches."""
+    return np.random.default_rng((SHUFFLE_SEED, epoch)).permutation(examples)
+
+
+def shuffled_dataset(
+    workload: Workload, arrays: tuple[np.ndarray, np.ndarray], shuffled_copy: bool = True
+) -> Any:
+    """The fused Loop's shuffled data: an on-device `ArrayDataset` reshuffled every epoch.
+
+    None where this loopax has no `shuffled_copy=` (the fused Loop then gathers each
+    step's rows, which the `shuffled_copy=False` row times).
+    """
+    accepts = "shuffled_copy" in inspect.signature(loopax.ArrayDataset.__init__).parameters
+    if shuffled_copy and not accepts:
+        return None
+    options = {"shuffled_copy": False} if accepts and not shuffled_copy else {}
+    x, y = arrays
+    return loopax.ArrayDataset(
+        x,
+        y,
+        workload.batch_size,
+        seed=SHUFFLE_SEED,
+        loop_forever=True,
+        on_device=True,
+        devices=jax.devices()[:1],
+        **options,
+    )
+
+
+def hand_written_shuffled_scan(
+    workload: Workload, arrays: tuple[np.ndarray, np.ndarray], steps: int, k: int = K
+) -> Run:
+    """`k` steps a dispatch on shuffled rows, as a user writes it over device data.
+
+    At each epoch's start the epoch's permutation (`epoch_permutation`: the same batches as
+    the loopax rows') goes to the device and one jitted gather permutes the arrays into a
+    copy in that order; each dispatch is `jax.jit(lax.scan)` of `k` steps (`_common.hand_written`'s
+    step, donated state) slicing `k` contiguous batches of the copy. It returns the k
+    losses and never waits before the end of a round.
+    """
+    step, init = _hand_written_step(workload, None)
+    batch, device = workload.batch_size, jax.devices()[0]
+    examples = len(arrays[0])
+    steps_per_epoch = examples // batch
+    if steps_per_epoch % k or steps % k:
+        raise ValueError(f"epochs of {steps_per_epoch} steps and {steps} steps need whole {k}s")
+    xs, ys = jax.device_put(arrays, device)
+    permute = jax.jit(lambda xs, ys, order: (xs[order], ys[order]))
+
+    def steps_fn(state, xs, ys, offset):
+        def one_step(state, index):
+            at = offset + index * batch
+            x = jax.lax.dynamic_slice_in_dim(xs, at, batch)
+            return step(state, x, jax.lax.dynamic_slice_in_dim(ys, at, batch))
+
+        return jax.lax.scan(one_step, state, jnp.arange(k))
+
+    compiled = jax.jit(steps_fn, donate_argnums=0)
+    state = init(xs[:batch])
+    epoch, epoch_step = 0, 0
+    shuffled: tuple = ()
+
+    def call() -> jax.Array:
+        nonlocal state, shuffled, epoch, epoch_step
+        if epoch_step == 0:  # a new epoch: one gather of the whole epoch
+            order = jax.device_put(epoch_permutation(examples, epoch), device)
+            shuffled = permute(xs, ys, order)
+        state, losses = compiled(state, *shuffled, np.int32(epoch_step * batch))
+        epoch_step += k
+        if epoch_step == steps_per_epoch:
+            epoch, epoch_step = epoch + 1, 0
+        return losses
+
+    jax.block_until_ready(call())  # compile
+
+    def run() -> None:
+        losses = None
+        for _ in range(steps // k):
+            losses = call()
+        jax.block_until_ready(losses)
+
+    return run
+
+
+def prestacked_scan(workload: Workload, arrays: tuple[np.ndarray, np.ndarray], steps: int) -> Run:
+    """`hand_written_scan` over the first epoch's shuffled batches, stacked before the run.
+
+    No permutation in the timed loop: the ceiling of any loop that reshuffles each epoch.
+    """
+    x, y = arrays
+    order = epoch_permutation(len(x), 0)
+    size = workload.batch_size
+    batches = [
+        (None, [x[order[start : start + size]]], [y[order[start : start + size]]])
+        for start in range(0, len(x), size)
+    ]
+    return hand_written_scan(workload, batches, steps)
 
 
 def compile_seconds(

@@ -22,7 +22,12 @@ an `ArrayDataset(..., on_device=True)` (device-resident batches where that optio
 against the hand-written per-step `jax.jit` loop, a hand-written `jax.jit(lax.scan)` of 32
 steps a dispatch over pre-stacked device data, Keras `fit` with `steps_per_execution=32`
 (tiny), and on 4 simulated devices the hand-written `jit(shard_map)` step; plus the seconds
-compiling the 32-step program against the one-step program. The fsdp section (issue 21,
+compiling the 32-step program against the one-step program. The shuffled section (issue 25,
+`bench_fused.py`), tiny: the same fused Loop on an on-device `ArrayDataset` that reshuffles
+every epoch of 512 batches, against a hand-written scan that permutes each epoch on the
+device once (one gather) and slices contiguous batches (the same batches), the scan over
+pre-stacked batches (no permutation: the ceiling), the Loop with `shuffled_copy=False` and
+Keras `fit(shuffle=True, steps_per_execution=32)`. The fsdp section (issue 21,
 `bench_fsdp.py`), on 4 simulated devices: loopax `mesh={"data": 4}, fsdp=True` against a
 hand-written `jax.jit` step with the same shardings (target >= 0.97), and the per-device
 state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
@@ -52,6 +57,8 @@ Details that matter for reading the figures:
   float32 is reported without a target. Issue 15, the fused Loop (K=32, README hooks): >= 1.3x
   the per-step loop on tiny, >= 1.0x on medium, >= 1.3x the jit(shard_map) step on 4
   devices; >= 0.95x the hand-written scan and >= 1.5x Keras fit(steps_per_execution=32), tiny.
+  Issue 25 item 1, shuffled: the fused Loop (K=32, README hooks) >= 0.95x the hand-written
+  scan that permutes each epoch on the device, >= 1.5x Keras fit(shuffle=True, spe=32).
 - The README's TensorBoard hook writes every 100 steps, and a fused group ends at the next
   step a scheduled hook fires at: with K=32 the groups run 32, 32, 32, 4 steps (the bare
   fused row has no such cuts). Every-step and time-based hooks run once per group. The
@@ -64,7 +71,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,fsdp,restart] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -87,7 +94,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp", "restart")
+SECTIONS = (
+    "tiny",
+    "medium",
+    "devices",
+    "keras",
+    "accumulate",
+    "fused",
+    "shuffled",
+    "fsdp",
+    "restart",
+)
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -97,6 +114,7 @@ STEPS = {
     "medium": (512, 64),
     "devices-tiny": (1024, 256),
     "devices-medium": (128, 32),
+    "shuffled": (8192, 512),  # whole epochs of 512 steps
 }
 ROUNDS = (9, 3)
 WARMUP_ROUNDS = (1, 0)  # untimed rounds first (the steps are compiled before either way)
@@ -122,6 +140,8 @@ FUSED_TARGETS = {
     "scan": {"tiny": 0.95},  # elsewhere printed without a target
     "keras": 1.5,
 }
+# Issue 25 item 1: the fused Loop (K=32, README hooks) on shuffled on-device data.
+SHUFFLED_TARGETS = {"scan": 0.95, "keras": 1.5}
 COMPILE_REPEATS = (3, 1)  # fresh trainers per compile-seconds figure: full run / --quick
 
 
@@ -129,12 +149,19 @@ COMPILE_REPEATS = (3, 1)  # fresh trainers per compile-seconds figure: full run 
 
 
 def keras_fit(
-    workload: Any, batches: list, steps: int, steps_per_execution: int, host: bool = False
+    workload: Any,
+    batches: list,
+    steps: int,
+    steps_per_execution: int,
+    host: bool = False,
+    shuffled: tuple | None = None,
 ):
     """Keras 3 `fit` (JAX backend) of the same network on the same batches.
 
     One epoch of `steps` steps per round; `host=True` passes them as numpy arrays (Keras's usual
-    input) instead of device arrays. Returns the run, or None and why Keras cannot run.
+    input) instead of device arrays. With `shuffled` (x, y), `fit(shuffle=True)` on those rows
+    instead: `steps` steps of whole epochs per round. Returns the run, or None and why Keras
+    cannot run.
     """
     os.environ["KERAS_BACKEND"] = "jax"
     try:
@@ -156,13 +183,21 @@ def keras_fit(
         steps_per_execution=steps_per_execution,
         jit_compile=True,
     )
-    x, y = _common.host_arrays(batches, steps)
+    x, y = _common.host_arrays(batches, steps) if shuffled is None else shuffled
     if not host:
         x, y = jnp.asarray(x), jnp.asarray(y)
+    epochs = steps * workload.batch_size // len(x)
 
     def run() -> None:
         # fit reads the epoch's logs back to the host at its end: the steps are done.
-        model.fit(x, y, batch_size=workload.batch_size, epochs=1, shuffle=False, verbose=0)
+        model.fit(
+            x,
+            y,
+            batch_size=workload.batch_size,
+            epochs=epochs,
+            shuffle=shuffled is not None,
+            verbose=0,
+        )
 
     run()  # compile
     return run, ""
@@ -576,6 +611,99 @@ def fused_section(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return sections
 
 
+def shuffled_section(args: argparse.Namespace) -> dict:
+    """Issue 25 item 1: the fused Loop on shuffled on-device data against hand-written scans.
+
+    On tiny, epochs of 512 steps: the reference is the hand-written scan that permutes each
+    epoch on the device once and slices contiguous batches (the same batches as loopax's).
+    """
+    import _common  # noqa: PLC0415
+    import bench_fused  # noqa: PLC0415
+
+    workload = _common.TINY
+    steps = STEPS["shuffled"][args.quick]
+    arrays = bench_fused.shuffled_arrays(workload)
+    directory = Path(tempfile.mkdtemp(prefix="loopax-bench-shuffled-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    reference = bench_fused.SHUFFLED_SCAN
+    candidates: dict[str, Callable] = {
+        reference: bench_fused.hand_written_shuffled_scan(workload, arrays, steps),
+        bench_fused.PRESTACKED_SCAN: bench_fused.prestacked_scan(workload, arrays, steps),
+    }
+    unavailable: dict[str, str] = {}
+    for row, hooked, shuffled_copy in (
+        (bench_fused.SHUFFLED, "copy", True),
+        (bench_fused.SHUFFLED_BARE, None, True),
+        (bench_fused.SHUFFLED_GATHER, "gather", False),
+    ):
+        dataset = bench_fused.shuffled_dataset(workload, arrays, shuffled_copy)
+        attach, why = _common.readme_hooks(directory / (hooked or "bare"))
+        with_hooks = hooked is not None
+        if dataset is None or (with_hooks and attach is None):
+            unavailable[row] = why or "n/a (not on this loopax yet: shuffled_copy=)"
+            continue
+        run, why = bench_fused.fused_loop(
+            workload, [], steps, attach=attach if with_hooks else None, dataset=dataset
+        )
+        if run is None:
+            unavailable[row] = why
+        else:
+            candidates[row] = run
+    keras_row = KERAS.format(bench_fused.K) + ", shuffle=True"
+    run, why = keras_fit(workload, [], steps, bench_fused.K, shuffled=arrays)
+    if run is None:
+        unavailable[keras_row] = why
+    else:
+        candidates[keras_row] = run
+    progress(
+        f"shuffled: {workload.description}, epochs of {bench_fused.SHUFFLED_BATCHES} batches; "
+        f"{steps} steps x {args.rounds} rounds, {len(candidates)} candidates"
+    )
+    timings = _common.interleave(
+        candidates,
+        steps,
+        args.rounds,
+        WARMUP_ROUNDS[args.quick],
+        on_round=round_progress("shuffled"),
+    )
+    rows = [(reference, timings.rate(reference), 1.0, 0.0)]
+    for row in [*candidates, *unavailable]:
+        if row == reference:
+            continue
+        if row in timings.seconds:
+            rate, spread = timings.rate(row), timings.spread(row, reference)
+            rows.append((row, rate, timings.ratio(row, reference), spread))
+            if row == bench_fused.SHUFFLED:  # its whole-run timing right under it
+                whole = row + "whole"
+                rows.append(
+                    (
+                        bench_fused.SHUFFLED_WHOLE,
+                        timings.rate(whole),
+                        timings.ratio(whole, reference),
+                        timings.spread(whole, reference),
+                    )
+                )
+        else:
+            rows.append((row, unavailable[row]))
+    own = bench_fused.SHUFFLED
+    pairs = []
+    for other, label, target in (
+        (reference, "fused Loop vs hand-written scan, same batches", SHUFFLED_TARGETS["scan"]),
+        (keras_row, "fused Loop vs Keras fit, spe=32, shuffled", SHUFFLED_TARGETS["keras"]),
+        (bench_fused.PRESTACKED_SCAN, "fused Loop vs scan over pre-stacked batches", None),
+        (bench_fused.SHUFFLED_GATHER, "shuffled copy vs rows gathered each step", None),
+    ):
+        if own in timings.seconds and other in timings.seconds:
+            pairs.append((label, timings.ratio(own, other), timings.spread(own, other), target))
+    return {
+        "title": f"shuffled, tiny: {workload.description}, reshuffled epochs of "
+        f"{bench_fused.SHUFFLED_BATCHES} batches, {steps} steps x {args.rounds} rounds",
+        "rows": rows,
+        "pairs": pairs,
+        "reference": reference,
+    }
+
+
 def accumulate_sections(args: argparse.Namespace) -> list[dict]:
     """Issue 14: gradient accumulation vs a hand-written scan step, bfloat16 vs float32."""
     import bench_accumulate  # noqa: PLC0415
@@ -706,8 +834,8 @@ def main() -> None:
         "--only",
         default=",".join(SECTIONS),
         help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
-        "fsdp, restart "
-        "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
+        "shuffled, fsdp, restart (keras alone runs the Keras rows on both workloads; fused: "
+        "issue 15's rows; shuffled: the fused Loop on reshuffled on-device data, issue 25)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
@@ -744,6 +872,8 @@ def main() -> None:
         sections += [("accumulate", section) for section in accumulate_sections(args)]
     if "fused" in only:
         sections += fused_section(args)
+    if "shuffled" in only:
+        sections.append(("shuffled", shuffled_section(args)))
     if "fsdp" in only:
         import bench_fsdp  # noqa: PLC0415
 

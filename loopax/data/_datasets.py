@@ -72,7 +72,7 @@ class ArrayDataset:
         one input shape and so one compiled step.
       loop_forever: start the next epoch instead of raising `StopIteration`.
       spec: the spec yielded with every batch (selects the compiled step).
-      on_device: put the arrays on `devices` once, here, and gather every batch on the
+      on_device: put the arrays on `devices` once, here, and take every batch on the
         devices with one compiled program from the epoch's permutation (kept on the
         devices), so a step copies no data from the host. Batches, order, epochs and
         `get_state` are those of the host dataset with the same arguments; the batches are
@@ -81,6 +81,13 @@ class ArrayDataset:
         as the Trainer's step takes them. Every device holds all the arrays.
       devices: with `on_device=True`, the devices to hold the arrays: the Trainer's
         (default: all of `jax.devices()`, as the Trainer's default).
+      shuffled_copy: with `on_device=True` and `shuffle=True`, permute the arrays into a
+        copy in each epoch's order, once per epoch (one gather on the devices, when the
+        epoch's first batch is read), so that every batch is a contiguous slice of it:
+        the fast path. The copy doubles the data's memory on every device (three times
+        for a moment at an epoch's start, while steps of the previous epoch finish).
+        False keeps no copy and gathers each batch's rows through the permutation
+        instead (slower per step). Batches are the same either way.
       shard_by_process: for several JAX processes: every process is given the same (whole)
         arrays, `batch_size` is the global batch, and each process yields its own slice of
         every global batch (process i of n: rows `[i * b / n, (i + 1) * b / n)`). The
@@ -90,8 +97,9 @@ class ArrayDataset:
     Raises:
       TypeError: an input or label is not an array.
       ValueError: first dimensions differ, no inputs, batch_size < 1, not a single
-        batch with `drop_remainder=True`, or bad `devices` (given without
-        `on_device=True`, empty, or not this process's jax devices).
+        batch with `drop_remainder=True`, bad `devices` (given without
+        `on_device=True`, empty, or not this process's jax devices), or
+        `shuffled_copy=False` without `on_device=True`.
 
     Example:
       >>> import numpy as np
@@ -126,6 +134,7 @@ class ArrayDataset:
         on_device: bool = False,
         devices: Sequence[Device] | None = None,
         shard_by_process: bool = False,
+        shuffled_copy: bool = True,
     ):
         self.inputs = _as_array_list(inputs, "inputs")
         self.labels = _as_array_list(labels, "labels") if not _is_empty(labels) else []
@@ -164,11 +173,14 @@ class ArrayDataset:
         if on_device:
             from ._device_data import DeviceArrays, check_devices  # noqa: PLC0415
 
-            self._device = DeviceArrays(self.inputs, self.labels, check_devices(devices, name))
-        elif devices is not None:
+            held = check_devices(devices, name)
+            self._device = DeviceArrays(self.inputs, self.labels, held, bool(shuffled_copy))
+        elif devices is not None or not shuffled_copy:
+            given = f"devices={devices!r}" if devices is not None else "shuffled_copy=False"
             raise ValueError(
-                f"ArrayDataset {name!r} got devices={devices!r} without on_device=True; "
-                "devices= chooses where on_device=True puts the arrays, so pass both or neither"
+                f"ArrayDataset {name!r} got {given} without on_device=True; devices= and "
+                "shuffled_copy= say how on_device=True holds the arrays, so pass on_device=True "
+                "or leave them out"
             )
         self._epoch = 0
         self._position = 0
@@ -309,9 +321,10 @@ class ArrayDataset:
         """The next `count` batches (or fewer at the data's end) as chunks left on the devices.
 
         For the fused Loop's `StepReader` (`on_device=True` only): the dataset moves on as
-        `count` calls of `yield_batch` would, but nothing is gathered; the Trainer's program
-        gathers each `DeviceChunk`. A chunk holds batches of one size and spans at most two
-        epochs. The flag says the data ended (`loop_forever=False`) before `count` batches.
+        `count` calls of `yield_batch` would, but nothing is taken; the Trainer's program
+        slices (or gathers) each `DeviceChunk`. A chunk holds batches of one size and spans
+        at most two epochs. The flag says the data ended (`loop_forever=False`) before
+        `count` batches.
 
         Raises:
           StopIteration: no batch is left.
@@ -342,12 +355,12 @@ class ArrayDataset:
                 and last.start + last.count * size == end
             ):  # the run goes on into the next epoch: one chunk
                 chunks[-1] = dataclasses.replace(
-                    last, count=last.count + batches, next_order=device.order
+                    last, count=last.count + batches, next_epoch=device.epoch
                 )
                 crossed = True
                 continue
-            order = device.order
-            chunks.append(DeviceChunk(device, batches, size, start, end, order, order))
+            held = device.epoch  # its permuted copy is made on the epoch's first read only
+            chunks.append(DeviceChunk(device, batches, size, start, end, held, held))
             crossed = False
         return chunks, False
 
@@ -477,15 +490,3 @@ def read_batches(dataset: Any, during: str) -> Iterator[Batch]:
         if type(batch) is not tuple or len(batch) != 3:
             raise bad_batch_error(dataset, batch)
         yield batch
-
-
-def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
-    """`arrays` stacked on a new leading axis, or concatenated on the first (`stack=False`).
-
-    With numpy when they are all host arrays, else with `jax.numpy` on their device.
-    """
-    if all(isinstance(a, np.ndarray) for a in arrays):
-        return np.stack(arrays) if stack else np.concatenate(arrays)
-    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
-
-    return jnp.stack(arrays) if stack else jnp.concatenate(arrays)

@@ -1,11 +1,15 @@
-"""The device half of `ArrayDataset(..., on_device=True)`: arrays placed once, batches gathered.
+"""The device half of `ArrayDataset(..., on_device=True)`: arrays placed once, batches sliced.
 
 The arrays are replicated over the devices once, since any example may fall in any
 device's shard of a batch once the epoch's permutation changes. Each epoch's permutation
-goes to the devices once too; a batch (or a group of batches) is then one compiled gather
-that takes only its start offset from the host, a scalar. The fused Loop goes further: it
-hands the Trainer a `DeviceChunk` (where a group's batches lie) and the Trainer's compiled
-program gathers them itself, so a group of steps is a single dispatch.
+goes to the devices once too, and (`shuffled_copy=True`, the default) one compiled gather
+permutes the arrays into a copy in the epoch's order, so that every batch of the epoch is a
+contiguous slice of it, as a hand-written loop over pre-shuffled data reads its batches: a
+gather of the whole epoch at once costs a fraction of gathering each batch's rows inside the
+steps. A batch (or a group of batches) is then one compiled program that takes only its
+start offset from the host, a scalar. The fused Loop goes further: it hands the Trainer a
+`DeviceChunk` (where a group's batches lie) and the Trainer's compiled program slices them
+itself, so a group of steps is a single dispatch.
 """
 
 from __future__ import annotations
@@ -15,14 +19,13 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._devices import AXIS, Device
 from ._datasets import ArrayDataset
+from ._epoch_rows import EpochOrder, Reading, permuted_copy, rows_of
 
 Gather = Callable[..., Any]
 
@@ -60,36 +63,72 @@ def check_devices(devices: Sequence[Device] | None, name: str) -> list[Device]:
 
 
 class DeviceArrays:
-    """An `ArrayDataset`'s arrays and epoch permutation on devices, and its compiled gathers.
+    """An `ArrayDataset`'s arrays and epoch order on devices, and its compiled gathers.
 
     Batches come out split over the devices on their batch axis (as the Trainer's compiled
     step takes them) when the batch size divides by the device count, else replicated.
 
+    Args:
+      inputs: the inputs, host or device arrays.
+      labels: the labels.
+      devices: the devices to hold a copy of every array.
+      shuffled_copy: with a permutation set, permute the arrays into a copy in the epoch's
+        order once per epoch (twice the data's memory on every device), so that a batch is
+        a slice of it; else pick each batch's rows through the permutation.
+
     Attributes:
       devices: the devices holding a copy of every array.
-      inputs: the inputs on the devices (dtypes as JAX canonicalizes them).
-      labels: the labels on the devices.
+      inputs: the inputs on the devices (dtypes as JAX canonicalizes them), in order.
+      labels: the labels on the devices, in order.
+      shuffled_copy: whether each shuffled epoch is read from a permuted copy.
     """
 
-    def __init__(self, inputs: list[Any], labels: list[Any], devices: Sequence[Device]):
+    def __init__(
+        self,
+        inputs: list[Any],
+        labels: list[Any],
+        devices: Sequence[Device],
+        shuffled_copy: bool = True,
+    ):
         self.devices = list(devices)
+        self.shuffled_copy = shuffled_copy
         self._mesh = Mesh(np.array(self.devices), (AXIS,))
         self._replicated = NamedSharding(self._mesh, P())
         self.inputs, self.labels = jax.device_put((inputs, labels), self._replicated)
         self._order: jax.Array | None = None
+        self._epoch: EpochOrder | None = None
         self._key: Hashable | None = None
         self._gathers: dict[tuple[int, int, bool], Gather] = {}
 
     def set_order(self, order: np.ndarray | None) -> None:
-        """Puts the epoch's permutation on the devices (None: examples in order)."""
+        """Puts the epoch's permutation on the devices (None: examples in order).
+
+        The previous epoch's permuted copy is dropped here (its memory goes once the steps
+        reading it are done); this epoch's is made when its first batch is read, so an epoch
+        that is never read (a restored position's replaced start, the epoch a last `reset`
+        begins) costs no copy.
+        """
         self._order = (
             None if order is None else jax.device_put(order.astype(np.int32), self._replicated)
         )
+        self._epoch = None
 
     @property
     def order(self) -> jax.Array | None:
         """The current epoch's permutation on the devices (None: examples in order)."""
         return self._order
+
+    @property
+    def epoch(self) -> EpochOrder:
+        """The current epoch's order, with its permuted copy (made here on first use)."""
+        epoch = self._epoch
+        if epoch is None:
+            copy = None
+            if self._order is not None and self.shuffled_copy:
+                # A module function, not a jit bound at construction: tests count copies.
+                copy = permuted_copy(self.inputs, self.labels, self._order, self._replicated)
+            epoch = self._epoch = EpochOrder(self._order, copy)
+        return epoch
 
     @property
     def key(self) -> Hashable:
@@ -100,20 +139,22 @@ class DeviceArrays:
         return self._key
 
     def gather(
-        self, start: int, count: int, size: int, stacked: bool, order: Any = None
+        self, start: int, count: int, size: int, stacked: bool, epoch: EpochOrder | None = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         """The `count` batches of `size` examples from epoch position `start`, on the devices.
 
         With `stacked` each array has shape `(count, size, ...)`, else `(size, ...)` (for
-        `count == 1`). `order` is the epoch's permutation on the devices (default: the
-        current epoch's).
+        `count == 1`). `epoch` is the epoch's order on the devices (default: the current
+        epoch's); from its permuted copy the batches are a slice.
         """
         key = (count, size, stacked)
         gather = self._gathers.get(key)
         if gather is None:
             gather = self._gathers[key] = self._compile(count, size, stacked)
-        order = self._order if order is None else order
-        return gather(self.inputs, self.labels, order, np.int32(start))
+        epoch = self.epoch if epoch is None else epoch
+        if epoch.copy is not None:
+            return gather(*epoch.copy, None, np.int32(start))
+        return gather(self.inputs, self.labels, epoch.order, np.int32(start))
 
     def _compile(self, count: int, size: int, stacked: bool) -> Gather:
         def gather(inputs: list, labels: list, order: jax.Array | None, start: jax.Array) -> Any:
@@ -156,41 +197,14 @@ def check_trainer_devices(dataset: Any, trainer: Any) -> None:
     )
 
 
-def rows_of(
-    arrays: list[jax.Array],
-    order: jax.Array | None,
-    next_order: jax.Array | None,
-    first: jax.Array,
-    end: jax.Array,
-    count: int,
-) -> list[jax.Array]:
-    """The rows of `count` epoch positions from `first` on, of each array (traced).
-
-    `end` is the epoch's end: from there on positions are the next epoch's, from its
-    position 0, in `next_order`. The `count` positions lie on one side of `end` (a
-    batch never straddles it). `order`/`next_order` are the epochs' permutations on the
-    devices (None: in order, so a batch is a slice).
-    """
-    crossed = first >= end
-    at = jnp.where(crossed, first - end, first)
-    if order is None or next_order is None:
-        return [lax.dynamic_slice_in_dim(array, at, count) for array in arrays]
-    rows = jnp.where(
-        crossed,
-        lax.dynamic_slice_in_dim(next_order, at, count),
-        lax.dynamic_slice_in_dim(order, at, count),
-    )
-    return [jnp.take(array, rows, axis=0, mode="clip") for array in arrays]
-
-
 @dataclasses.dataclass(frozen=True)
 class DeviceChunk:
-    """Where `count` steps' batches of `size` examples lie on the devices, not yet gathered.
+    """Where `count` steps' batches of `size` examples lie on the devices, not yet taken.
 
-    They start at epoch position `start` of the epoch whose permutation is `order`;
-    positions from `end` (that epoch's end) on continue the next epoch, whose permutation
-    is `next_order`. A chunk spans at most these two epochs. The Trainer compiles the
-    gather into its fused steps (`gathering_steps`).
+    They start at epoch position `start` of the epoch `epoch`; positions from `end` (that
+    epoch's end) on continue the next epoch, `next_epoch`. A chunk spans at most these two
+    epochs. The Trainer compiles the slicing (or gathering) into its fused steps
+    (`gathering_steps`).
     """
 
     source: DeviceArrays
@@ -198,19 +212,45 @@ class DeviceChunk:
     size: int
     start: int
     end: int
-    order: jax.Array | None
-    next_order: jax.Array | None
+    epoch: EpochOrder
+    next_epoch: EpochOrder
+
+    @property
+    def order(self) -> jax.Array | None:
+        """The epoch's permutation on the devices (None: in order)."""
+        return self.epoch.order
+
+    @property
+    def next_order(self) -> jax.Array | None:
+        """The next epoch's permutation on the devices (None: in order)."""
+        return self.next_epoch.order
+
+    @property
+    def reading(self) -> Reading:
+        """How the program takes the batches (both epochs are read alike)."""
+        return self.epoch.reading
 
     def arguments(self) -> tuple:
-        """The compiled program's arguments after the state (see `gathering_steps`)."""
-        return (
-            self.source.inputs,
-            self.source.labels,
-            self.order,
-            self.next_order,
-            np.int32(self.start),
-            np.int32(self.end),
-        )
+        """The compiled program's arguments after the state (see `gathering_steps`).
+
+        Where the batches lie (a dict of named arrays, for `batch_rows`), then the start
+        and end positions.
+        """
+        epoch, upcoming = self.epoch, self.next_epoch
+        lying: dict[str, Any]
+        if epoch.copy is not None and upcoming.copy is not None:
+            (inputs, labels), (next_inputs, next_labels) = epoch.copy, upcoming.copy
+            lying = {
+                "inputs": inputs,
+                "labels": labels,
+                "next_inputs": next_inputs,
+                "next_labels": next_labels,
+            }
+        else:
+            lying = {"inputs": self.source.inputs, "labels": self.source.labels}
+            if epoch.order is not None:
+                lying.update(order=epoch.order, next_order=upcoming.order)
+        return lying, np.int32(self.start), np.int32(self.end)
 
     def shapes(self) -> tuple[list[jax.ShapeDtypeStruct], list[jax.ShapeDtypeStruct]]:
         """The shapes and dtypes of the gathered batches, `(count, size, ...)`."""
@@ -222,13 +262,13 @@ class DeviceChunk:
 
     def first_batch(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """The first step's batch, gathered now (to create or check the model's state)."""
-        return self.source.gather(self.start, 1, self.size, stacked=False, order=self.order)
+        return self.source.gather(self.start, 1, self.size, stacked=False, epoch=self.epoch)
 
     def part(self, offset: int, count: int) -> DeviceChunk:
         """The `count` steps from step `offset` of this chunk."""
         start = self.start + offset * self.size
         if start >= self.end:  # all in the next epoch
             return dataclasses.replace(
-                self, count=count, start=start - self.end, order=self.next_order
+                self, count=count, start=start - self.end, epoch=self.next_epoch
             )
         return dataclasses.replace(self, count=count, start=start)

@@ -6,8 +6,8 @@ steps_per_execution=K)` a read is a group of up to K steps, whose length the loo
 ends at the next step a scheduled hook fires). The group is split where the batches
 change spec or shape (they cannot be stacked), and each run of equal batches into
 power-of-two chunks, so a spec and shape compile at most log2(K) + 1 programs. An
-on-device `ArrayDataset` on the Trainer's devices gathers nothing here: its dispatches say
-where their batches lie (`OnDevice`) and the Trainer's program gathers them.
+on-device `ArrayDataset` on the Trainer's devices takes nothing here: its dispatches say
+where their batches lie (`OnDevice`) and the Trainer's program takes them itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._devices import Device
-from ._datasets import ArrayDataset, Batch, as_list, bad_batch_error, join_arrays, shown_name
+from ._datasets import ArrayDataset, Batch, as_list, bad_batch_error, shown_name
 from ._device_data import DeviceChunk
 
 
@@ -70,6 +70,18 @@ class OnDevice:
 
 Dispatch = OneStep | Stacked | OnDevice
 _new_tuple = tuple.__new__  # a `OneStep` from a checked batch tuple, without unpacking it
+
+
+def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
+    """`arrays` stacked on a new leading axis, or concatenated on the first (`stack=False`).
+
+    With numpy when they are all host arrays, else with `jax.numpy` on their device.
+    """
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.stack(arrays) if stack else np.concatenate(arrays)
+    import jax.numpy as jnp  # noqa: PLC0415  (only for batches already on a device)
+
+    return jnp.stack(arrays) if stack else jnp.concatenate(arrays)
 
 
 def power_of_two_at_most(n: int) -> int:

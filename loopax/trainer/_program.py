@@ -166,21 +166,21 @@ def _gathering(
     sharded: int,
 ) -> Wrapped:
     """Fused steps that take each step's batch from the devices' arrays themselves."""
-    count, size = source.count, source.size
+    count, size, reading = source.count, source.size, source.reading
     if strategy.slices_in_scan:  # each step slices its own batch in the scan
         scan = functools.partial(program.body(steps), spec, rng)
-        body = gathering_steps(scan, count, size, strategy.num_devices)
+        body = gathering_steps(scan, count, size, strategy.num_devices, reading)
         return strategy.wrap(body, program, sharded)
-    # pmap: the group gathered first, then the stacked steps
+    # pmap: the group taken first, then the stacked steps
     run = TRAIN_STEPS.wrap(TRAIN_STEPS, strategy, steps, spec, rng, source, leading, 2)
-    return jax.jit(gathering(run, count, size), donate_argnums=program.donate)
+    return jax.jit(gathering(run, count, size, reading), donate_argnums=program.donate)
 
 
 TRAIN_STEPS_GATHERED = Program(
     name="train_steps_gathered",
     graph_type="train_steps",  # reported as the fused steps it runs
     body=operator.attrgetter("scan_steps"),
-    replicated=7,  # the state, then the arrays and positions, all replicated
+    replicated=4,  # the state, where the batches lie, start and end: all replicated
     sharded=0,
     donate=(0,),
     leading_axes=(STEPS,),

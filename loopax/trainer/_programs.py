@@ -137,13 +137,14 @@ class Programs:
     def train_gathered(self, spec: Any, chunk: DeviceChunk) -> StepResult:
         """Runs `TRAIN_STEPS_GATHERED` on `chunk`'s batches: one step per batch.
 
-        Each step slices (shuffled: gathers) its batch from the arrays on the devices,
+        Each step slices its batch from the arrays on the devices (shuffled: from the
+        epoch's permuted copy, or gathers its rows through the permutation without one),
         inside the program.
         """
         executor = self._cache.executor_for(
             TRAIN_STEPS_GATHERED,
             spec,
-            (chunk.count, chunk.size, chunk.order is None, chunk.source.key),
+            (chunk.count, chunk.size, chunk.reading, chunk.source.key),
             chunk.shapes,
             functools.partial(self._compile, chunk=chunk),
         )

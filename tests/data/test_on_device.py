@@ -1,4 +1,7 @@
-"""`ArrayDataset(..., on_device=True)`: the host dataset's batches, gathered on the devices."""
+"""`ArrayDataset(..., on_device=True)`: the host dataset's batches, taken on the devices."""
+
+import gc
+import weakref
 
 import flax.linen as nn
 import jax
@@ -7,6 +10,7 @@ import optax
 import pytest
 
 import loopax
+from loopax.data import _device_data
 from loopax.testing import count_compilations
 
 EXAMPLES = 10
@@ -272,3 +276,111 @@ def test_bad_arguments():
     # The host dataset's checks hold on the device too.
     with pytest.raises(ValueError, match="batch_size 5 is larger"):
         loopax.ArrayDataset(data, (), 5, on_device=True)
+
+
+def count_copies(monkeypatch):
+    """The orders of the epochs' permuted copies made from now on, one per copy.
+
+    Each entry also keeps a weak reference to its copy's first array.
+    """
+    copies = []
+    make = _device_data.permuted_copy
+
+    def counting(inputs, labels, order, sharding):
+        copy = make(inputs, labels, order, sharding)
+        copies.append((np.asarray(order), weakref.ref(copy[0][0])))
+        return copy
+
+    monkeypatch.setattr(_device_data, "permuted_copy", counting)
+    return copies
+
+
+def permutation(seed, epoch):
+    """Epoch `epoch`'s order, as ArrayDataset documents it: drawn from `(seed, epoch)`."""
+    return np.random.default_rng((seed, epoch)).permutation(EXAMPLES)
+
+
+def test_each_shuffled_epoch_is_permuted_once_into_a_copy(monkeypatch):
+    copies = count_copies(monkeypatch)
+    options = {"loop_forever": True, "seed": 4, "batch_size": 3, "drop_remainder": False}
+    host, device = make_dataset(False, **options), make_dataset(True, **options)
+    assert copies == []  # the first epoch is permuted when its first batch is read
+    for count in (1, 2, 1, 3, 1, 2, 2, 1, 1, 3):  # epochs of batches of 3, 3, 3 and 1
+        if count == 1:
+            assert_same_batch(device.yield_batch(), host.yield_batch())
+        else:
+            assert_same_batch(device.yield_batches(count), host.yield_batches(count))
+        assert device.get_state() == host.get_state()
+    epochs = device.get_state()["epoch"] + 1
+    assert epochs >= 3
+    assert len(copies) == epochs  # one gather of the whole epoch, however its batches are read
+    for epoch, (order, _) in enumerate(copies):
+        np.testing.assert_array_equal(order, permutation(4, epoch))
+    # The previous epochs' copies are replaced, not kept: only the current one lives.
+    gc.collect()
+    assert [alive() is not None for _, alive in copies] == [False] * (epochs - 1) + [True]
+
+
+@pytest.mark.parametrize("options", [{"shuffled_copy": False}, {"shuffle": False}])
+def test_no_copy_without_shuffling_or_with_shuffled_copy_false(monkeypatch, options):
+    copies = count_copies(monkeypatch)
+    options = {"loop_forever": True, "seed": 2, "drop_remainder": False, **options}
+    host = make_dataset(False, **{k: v for k, v in options.items() if k != "shuffled_copy"})
+    device = make_dataset(True, **options)
+    for _ in range(7):  # three epochs and more
+        assert_same_batch(device.yield_batch(), host.yield_batch())
+    assert_same_batch(device.yield_batches(2), host.yield_batches(2))
+    assert copies == []
+
+
+def test_a_restored_position_permutes_only_its_own_epoch(monkeypatch):
+    copies = count_copies(monkeypatch)
+    host, device = (make_dataset(on_device, batch_size=3, seed=7) for on_device in (False, True))
+    state = {"epoch": 3, "position": 3, "seed": 7}
+    host.set_state(state)
+    device.set_state(state)  # mid-epoch, before any batch was read: epoch 0 is never copied
+    assert copies == []
+    for _ in range(2):  # the rest of epoch 3
+        assert_same_batch(device.yield_batch(), host.yield_batch())
+    assert [order.tolist() for order, _ in copies] == [permutation(7, 3).tolist()]
+    with pytest.raises(StopIteration):
+        device.yield_batch()
+    device.reset()  # the next epoch starts; nothing is copied until it is read
+    host.reset()
+    assert len(copies) == 1
+    assert_same_batch(device.yield_batches(3), host.yield_batches(3))
+    assert [order.tolist() for order, _ in copies][1:] == [permutation(7, 4).tolist()]
+
+
+def test_shuffled_copy_needs_on_device():
+    data = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match=r"'array' got shuffled_copy=False without on_device=True"):
+        loopax.ArrayDataset(data, (), 2, shuffled_copy=False)
+    loopax.ArrayDataset(data, (), 2, shuffled_copy=True)  # the default, harmless
+
+
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_evaluation_on_a_shuffled_copy_matches_the_host_dataset(monkeypatch, num_devices):
+    copies = count_copies(monkeypatch)
+    devices = jax.devices()[:num_devices]
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05), devices=devices
+    )
+    loopax.Loop(trainer).run_steps(regression_dataset(False, devices), 3)
+    source = regression_dataset(False, devices)
+
+    def evaluation(on_device):
+        dataset = loopax.ArrayDataset(
+            source.inputs,
+            source.labels,
+            10,  # 48 examples: a short last batch, which 4 devices do not divide
+            name="test",
+            seed=5,
+            drop_remainder=False,
+            on_device=on_device,
+            devices=devices if on_device else None,
+        )
+        return [trainer.evaluate(dataset) for _ in range(2)]  # each a new epoch
+
+    assert evaluation(True) == evaluation(False)
+    assert len(copies) == 2  # one permuted copy per evaluation

@@ -6,6 +6,7 @@ batches lie (`DeviceChunk`) and the compiled steps gather them from the epoch's 
 across an epoch's end too. Everything must equal single steps on the host dataset.
 """
 
+import gc
 import math
 
 import flax.linen as nn
@@ -297,3 +298,93 @@ def test_a_nan_in_the_data_is_named_at_its_own_step(k):
     with pytest.raises(loopax.NonFiniteLossError) as raised:
         loop.run_steps(data, 40)
     assert raised.value.step == 5
+
+
+def count_copies(monkeypatch):
+    """The orders of the epochs' permuted copies made from now on, one per copy."""
+    copies = []
+    make = _device_data.permuted_copy
+
+    def counting(inputs, labels, order, sharding):
+        copies.append(np.asarray(order))
+        return make(inputs, labels, order, sharding)
+
+    monkeypatch.setattr(_device_data, "permuted_copy", counting)
+    return copies
+
+
+def train_programs(trainer):
+    """The HLO text of every compiled train program of `trainer`."""
+    return [e.run.as_text() for e in trainer.executors() if e.info.graph_type == "train_steps"]
+
+
+@pytest.mark.parametrize(
+    ("num_devices", "parallel"), [(1, "shard_map"), (4, "shard_map"), (4, "pmap")]
+)
+@pytest.mark.parametrize("batch_size", [8, 24])  # 24: 2 batches an epoch, chunks span epochs
+def test_fused_steps_slice_each_epochs_permuted_copy(
+    monkeypatch, num_devices, parallel, batch_size
+):
+    devices = jax.devices()[:num_devices]
+    expected = run(False, 1, devices, steps=64, parallel=parallel, batch_size=batch_size)
+    copies = count_copies(monkeypatch)
+    trainer = new_trainer(devices, parallel)
+    loop = loopax.Loop(trainer, steps_per_execution=8)
+    data = dataset(True, devices, batch_size=batch_size)
+    metrics = loop.run_steps(data, 64)
+    params = jax.device_get(trainer.params)
+    if parallel == "shard_map":  # each step slices its shard in the scan: bit for bit
+        jax.tree.map(np.testing.assert_array_equal, params, expected["params"])
+        assert float(metrics["loss"]) == expected["loss"]
+    else:  # pmap takes the group first, then runs the stacked steps: to float rounding
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+            params,
+            expected["params"],
+        )
+    assert data.get_state() == expected["state"]
+    # One permuted copy per epoch the run entered, made once, whatever its groups.
+    epochs = data.get_state()["epoch"] + 1
+    assert len(copies) == epochs == (11 if batch_size == 8 else 32)
+    for epoch, order in enumerate(copies):
+        np.testing.assert_array_equal(order, np.random.default_rng((3, epoch)).permutation(52))
+    # Each step slices its batch from a copy: no gather is compiled into the steps.
+    programs = train_programs(trainer)
+    assert programs and not any(" gather(" in text for text in programs)
+
+
+def test_shuffled_copy_false_gathers_each_batch_in_the_steps(monkeypatch):
+    copies = count_copies(monkeypatch)
+    devices = jax.devices()[:1]
+    expected = run(False, 1, devices, steps=20)
+    actual = run(True, 8, devices, steps=20, shuffled_copy=False)
+    assert_same(actual, expected)
+    assert copies == []
+    trainer = new_trainer(devices)
+    loopax.Loop(trainer, steps_per_execution=8).run_steps(
+        dataset(True, devices, shuffled_copy=False), 8
+    )
+    assert all(" gather(" in text for text in train_programs(trainer))
+
+
+def test_a_resume_mid_epoch_permutes_the_restored_epoch(tmp_path, monkeypatch):
+    devices = jax.devices()[:1]
+    expected = run(False, 1, devices, steps=40)
+
+    def resumed(steps):
+        trainer = new_trainer(devices)
+        loop = loopax.Loop(trainer, steps_per_execution=32)
+        loopax.hooks.checkpoint(loop, str(tmp_path / "ckpt"), every_n_steps=10)
+        data = dataset(True, devices)
+        loop.run_steps(data, steps)
+        return trainer, data
+
+    resumed(25)  # ends at step 25: epoch 4, one batch into its 6
+    gc.collect()
+    copies = count_copies(monkeypatch)
+    trainer, data = resumed(15)  # restores at 25, runs to 40: epochs 4 (its rest), 5, 6
+    assert [order.tolist() for order in copies] == [
+        np.random.default_rng((3, epoch)).permutation(52).tolist() for epoch in (4, 5, 6)
+    ]
+    assert data.get_state() == expected["state"]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), expected["params"])
