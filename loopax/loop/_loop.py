@@ -303,9 +303,7 @@ class Loop:
         return {
             "history": self.history.get_state(),
             "hooks": self._hooks.get_states(),
-            "run": {"start_step": self.start_step, "end_step": self.end_step}
-            if self._runner.running
-            else None,
+            "run": self._runner.run_state(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -386,12 +384,7 @@ class Loop:
         A host metric's entry is its value after the group. The group's first loop step is
         `loop_step - len(values) + 1` while OnStep hooks run.
         """
-        group = self._runner.group
-        if group is None:
-            import jax.numpy as jnp  # noqa: PLC0415
-
-            return {key: jnp.asarray(value)[None] for key, value in self.metrics.items()}
-        return group.every_step()
+        return self._runner.group_metrics()
 
     # -- what hooks ask of the loop -------------------------------------------------------
 

@@ -17,7 +17,7 @@ from ..trainer._trainer import Trainer
 from ._finite import FiniteChecker
 from ._hook import NEVER
 from ._hook_registry import HookRegistry
-from ._loop_metrics import GroupMetrics, LoopMetrics
+from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
 from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
 
@@ -126,6 +126,16 @@ class Runner:
     def remember_run(self, run: dict[str, int] | None) -> None:
         """The run (`{"start_step", "end_step"}`) a restored state was saved in, if any."""
         self._resumed_run = run
+
+    def run_state(self) -> dict[str, int] | None:
+        """The run in progress `{"start_step", "end_step"}` for a checkpoint; None between runs."""
+        if not self.running:
+            return None
+        return {"start_step": self.start_step, "end_step": self.end_step}
+
+    def group_metrics(self) -> dict[str, Any]:
+        """Every step's metrics of the latest group of fused steps; see `Loop.group_metrics`."""
+        return every_step(self.group, self.metrics)
 
     def check_finite(self) -> None:
         """Waits for the steps in flight and checks their losses, unless all are checked."""
@@ -272,7 +282,7 @@ class Runner:
             self.loop_step
         ):
             self.stop_requested = True
-            self.stop_reason = _reason(agreed)
+            self.stop_reason = agreed.shown_reason
         return self.stop_requested
 
     def _settle_between_steps(self) -> None:
@@ -446,10 +456,3 @@ class Runner:
         self._settle_between_steps()
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
-
-
-def _reason(agreed: AgreedStop) -> str:
-    """The agreed stop's reason, as every process reports it."""
-    if agreed.signum is None:
-        return agreed.reason
-    return f"{agreed.reason} (on process {agreed.process})"

@@ -114,3 +114,13 @@ def next_dynamic_scale(state: jax.Array, finite: jax.Array) -> jax.Array:
     )
     shrunk = jnp.stack([jnp.maximum(scale * 0.5, MIN_SCALE), jnp.zeros_like(scale)])
     return jnp.where(finite, grown, shrunk)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Traced: whether every floating leaf of `tree` is finite (a bool scalar)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return (
+        jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
+        if leaves
+        else jnp.bool_(True)
+    )

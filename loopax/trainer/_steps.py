@@ -22,10 +22,16 @@ from ..metrics._mean import (
     zero_mean_state,
 )
 from ._collectives import Collectives
-from ._host_metrics import HostMetrics, StepValues, merge_step_values
+from ._host_metrics import HostMetrics, merge_step_values
 from ._models import explained_model_errors
 from ._parallel import Strategy
-from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
+from ._precision import (
+    all_finite,
+    cast_floating,
+    fresh_dynamic_scale,
+    next_dynamic_scale,
+    to_float32,
+)
 from ._state import TrainState
 
 _INIT_STREAM = 2**31 - 1  # folded into the seed for initialization; steps use 0, 1, ...
@@ -322,7 +328,7 @@ class StepBuilder:
         loss_scale = state.loss_scale
         if config.reports_skips:
             # Identical on every device: the loss and gradients are already averaged.
-            grads_finite = _all_finite(grads)
+            grads_finite = all_finite(grads)
             ok = jnp.isfinite(loss) & grads_finite
             # Without skip_non_finite, a non-finite loss still reaches the moving average,
             # so the loop reports it; only an overflow of the scaled gradient is routine.
@@ -390,7 +396,8 @@ class StepBuilder:
         stacked = {name: v for name, v in values.items() if name not in host_names}
         last = {name: v[-1] for name, v in stacked.items()}
         for metric in self.config.host_train.metrics:
-            last[metric.name] = _fold_steps(values[metric.name])
+            # A host metric's StepValues of every step, folded into one step's.
+            last[metric.name] = values[metric.name].of_micro_batches()
         return state, (stacked, last)
 
     def predict(self, spec, rng, state: TrainState, inputs):
@@ -481,18 +488,3 @@ class StepBuilder:
             **{m.name: partials[m.name] for m in self.config.host_eval.metrics},
         }
         return states, values
-
-
-def _fold_steps(values: Any) -> StepValues:
-    """A host metric's step values of every step of a scan, folded into one step's."""
-    assert isinstance(values, StepValues), "host metrics return StepValues"
-    return values.of_micro_batches()
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return (
-        jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
-        if leaves
-        else jnp.bool_(True)
-    )

@@ -11,7 +11,7 @@ import optax
 
 from .._validate import positive_int
 from ..data._datasets import Dataset
-from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
+from ..data._reader import Dispatch
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
@@ -408,18 +408,7 @@ class Trainer:
           TypeError: `dispatch` is none of the three records, or as `train_step`.
           ValueError: as `train_step` and `train_steps`.
         """
-        # Through the public methods: a subclass or wrapper of `train_step` sees every step.
-        if isinstance(dispatch, OneStep):
-            return StepResult(self.train_step(*dispatch))
-        if isinstance(dispatch, Stacked):
-            stacked, last = self.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
-            return StepResult(last, stacked)
-        if isinstance(dispatch, OnDevice):
-            return self._programs.train_gathered(dispatch.spec, dispatch.chunk)
-        raise TypeError(
-            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
-            f"{type(dispatch).__name__}"
-        )
+        return self._programs.dispatch(dispatch, self.train_step, self.train_steps)
 
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
