@@ -42,6 +42,7 @@ LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
 LOSS = "loss"
 MOVING_AVERAGE_LOSS = LossMovingAverage.name
 SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
+OVERFLOW_STEPS = "overflow_steps"  # with dynamic loss scaling: its skips of them
 LOSS_SCALE = "loss_scale"  # with `loss_scale`
 MEAN_LOSS = "mean_loss"
 
@@ -104,8 +105,8 @@ class StepBuilder:
 
     Attributes:
       train_keys: the train step's metric names, in the order of its metrics dict:
-        `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"` and
-        `"loss_scale"` when on.
+        `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"`,
+        `"overflow_steps"` and `"loss_scale"` when on.
       eval_keys: the eval step's: `"mean_loss"`, then the user's.
       train_state_keys: the keys of `TrainState.train_metrics`, in the order of its
         metrics: `"moving_average_loss"`, then the user's compiled ones (a host metric's
@@ -121,6 +122,8 @@ class StepBuilder:
         train_keys = (LOSS, MOVING_AVERAGE_LOSS, *config.train_order)
         if config.reports_skips:
             train_keys = (*train_keys, SKIPPED_STEPS)
+        if config.dynamic_scale:
+            train_keys = (*train_keys, OVERFLOW_STEPS)
         if config.loss_scale is not None:
             train_keys = (*train_keys, LOSS_SCALE)
         self.train_keys: tuple[str, ...] = train_keys
@@ -329,7 +332,8 @@ class StepBuilder:
         if config.reports_skips:
             # Identical on every device: the loss and gradients are already averaged.
             grads_finite = all_finite(grads)
-            ok = jnp.isfinite(loss) & grads_finite
+            loss_finite = jnp.isfinite(loss)
+            ok = loss_finite & grads_finite
             # Without skip_non_finite, a non-finite loss still reaches the moving average,
             # so the loop reports it; only an overflow of the scaled gradient is routine.
             average_ok = ok if config.skip_non_finite else None
@@ -343,7 +347,7 @@ class StepBuilder:
             if config.skip_non_finite:
                 user_states = keep(user_states, self._user_states(state))
             if config.dynamic_scale:
-                loss_scale = next_dynamic_scale(state.loss_scale, grads_finite)
+                loss_scale = next_dynamic_scale(state.loss_scale, grads_finite, loss_finite)
         loss_average = self.loss_average.add_loss(
             state.train_metrics[MOVING_AVERAGE_LOSS], loss, average_ok, None if ok is None else ~ok
         )
@@ -354,6 +358,8 @@ class StepBuilder:
         }
         if config.reports_skips:
             values[SKIPPED_STEPS] = self.loss_average.skipped(loss_average)
+        if config.dynamic_scale:  # of the skips, the overflows, since training began
+            values[OVERFLOW_STEPS] = loss_scale[2]
         if config.loss_scale is not None:  # the scale the next step uses
             values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
         # Host metrics' step values, returned unread (a skipped step's are left out).
