@@ -15,6 +15,7 @@ from ..data._reader import Dispatch
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._host_metrics import HostMetrics
 from ._layout import sharding_report
 from ._mesh import choose_strategy
 from ._models import adapt
@@ -303,6 +304,16 @@ class Trainer:
             entry and both shapes).
         """
         self._placed.load_state_dict(tree, where, self._programs.steps)
+
+    @property
+    def host_metric_states(self) -> HostMetrics:
+        """The train host metrics' states, which checkpoints keep (`loop.add_state`).
+
+        `get_state()`: JSON by metric name, every step so far folded in (a wait for the
+        steps in flight); `set_state(saved)`: the states to go on from (a metric missing
+        from `saved` starts afresh). See `loopax.metrics.HostMetric.host_state_dict`.
+        """
+        return self._programs.steps.config.host_train
 
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""

@@ -153,7 +153,11 @@ class Checkpointer:
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
-        loop.shared_data.setdefault(CHECKPOINTERS, []).append(self)
+        checkpointers = loop.shared_data.setdefault(CHECKPOINTERS, [])
+        if not checkpointers and self.trainer.host_metric_states:
+            # Saved with the loop's state, so a resumed run goes on with its medians.
+            loop.add_state("trainer: host metrics", self.trainer.host_metric_states)
+        checkpointers.append(self)
 
     # -- queries ------------------------------------------------------------------------------
 
