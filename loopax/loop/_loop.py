@@ -80,6 +80,8 @@ class Loop:
       shared_data: a dict where hooks leave results for each other.
       train_step_durations: seconds per step, hooks included (the last 1024 steps).
       stop_reason: the reason given to `request_stop`, or None.
+      interrupted: True from the OnEnd hooks of a run that SIGINT or SIGTERM stopped before
+        its last step (on any process of the run) until the next run starts.
       checkpointed_step: the newest global step a checkpoint hook saved, or None.
 
     Example:
@@ -162,6 +164,11 @@ class Loop:
     def stop_reason(self) -> str | None:
         """The reason given to `request_stop`, or None."""
         return self._runner.stop_reason
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether SIGINT or SIGTERM stopped the run before its last step (see the class)."""
+        return self._runner.interrupted
 
     @property
     def running(self) -> bool:

@@ -51,6 +51,9 @@ class Runner:
       group: the latest group of fused steps, or None (`steps_per_execution=1`).
       running: whether a run is in progress.
       stop_requested: whether the run ends after the current step's hooks.
+      interrupted: whether SIGINT or SIGTERM stopped the run before its last step (on
+        this process, or on the process whose stop every process agreed on); set before
+        the OnEnd hooks, cleared when the next run starts.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Runner:
         self.running = False
         self.stop_requested = False
         self.stop_reason: str | None = None
+        self.interrupted = False
         self._epoch_batches = 0
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
@@ -345,7 +349,7 @@ class Runner:
         self.loop_step = self.start_step = trainer.global_step
         self.end_step = end_step
         self.epoch = 0
-        self.stop_requested = False
+        self.stop_requested = self.interrupted = False
         self._hooks.halted = False
         self.stop_reason = None
         self.metrics = {}
@@ -454,5 +458,19 @@ class Runner:
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
+        self.interrupted = self._stopped_by_signal()
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
+
+    def _stopped_by_signal(self) -> bool:
+        """Whether a signal ends the run before its last step (see `interrupted`).
+
+        On several processes the agreed stop decides, so every process answers alike.
+        """
+        if self.loop_step == self.end_step:
+            return False  # the run is complete, whenever a signal came
+        agreement = self._agreement
+        if agreement is not None:
+            agreed = agreement.agreed
+            return agreed is not None and agreed.signum is not None
+        return self._interrupts.received is not None
