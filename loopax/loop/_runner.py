@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from ..data._iterables import RunIterable, check_restartable
 from ..data._reader import StepReader, power_of_two_at_most
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
-from ._finite import FiniteChecker
+from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import NEVER
 from ._hook_registry import HookRegistry
 from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
@@ -22,6 +23,7 @@ from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
 
 Metrics = dict[str, Any]
+_logger = logging.getLogger("loopax")
 
 
 class Runner:
@@ -308,7 +310,7 @@ class Runner:
         except BaseException as error:
             self._in_flight.wait_all()
             self._hooks.after_hooks.clear()
-            self._loop_metrics.pending_logs.clear()
+            self._hand_out_logs_at(error)
             self._hooks.run_error(error)
             raise
         finally:
@@ -319,6 +321,20 @@ class Runner:
             signum = agreed.signum  # the signal another process got: every process exits so
         if signum is not None:
             exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
+
+    def _hand_out_logs_at(self, error: BaseException) -> None:
+        """The train logs asked for before `error`: handed out (their steps are done), or dropped.
+
+        Handed out so that a checkpoint the OnError hooks commit finds its step's logs
+        written, as without the error; dropped when the error concerns their values (a
+        non-finite loss) or tears the run down. A writer failing again is logged.
+        """
+        if isinstance(error, Exception) and not isinstance(error, NonFiniteLossError):
+            try:
+                self._loop_metrics.resolve_logs(NEVER)
+            except Exception:
+                _logger.exception("writing the train logs of the steps before the error failed")
+        self._loop_metrics.pending_logs.clear()
 
     def _close_agreement(self) -> AgreedStop | None:
         """Ends the run's agreement, if any; the stop it agreed on."""

@@ -39,7 +39,7 @@ from ._active import take_over
 from ._checks import best_metric_value
 from ._checks import check_best_metric as _check_best_metric
 from ._commit import commit
-from ._coordination import DEFAULT_TIMEOUT_SECONDS, Coordination
+from ._coordination import DEFAULT_TIMEOUT_SECONDS, Coordination, CoordinationError
 from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
 from ._format import make_bundle, named_train_metrics, positions_for
@@ -443,7 +443,31 @@ class Checkpointer:
         loop.call_after_hooks(self.wait)
 
     def on_error(self, loop: Loop, error: BaseException) -> None:
-        """OnError: drops a save not yet committed and waits for the saves in flight."""
+        """OnError: commits a save the failing step took, then waits for the saves in flight.
+
+        A save is taken once its step's state is complete and every loss so far was checked
+        finite, so a later hook of that step raising does not lose it (nor does an OnEnd
+        hook raising lose the end-of-run save): it commits as it would have, after the logs
+        of its step, unless the run is being torn down (KeyboardInterrupt, SystemExit) or
+        another process stopped answering. A commit that fails here is logged; the run's
+        error is the one raised.
+        """
+        pending = self._pending_save
+        if pending is not None and isinstance(error, Exception):
+            if isinstance(error, CoordinationError):
+                self._pending_save = None  # the other processes would never join its commit
+            else:
+                try:
+                    self._commit()
+                except Exception as failure:  # noqa: BLE001 - the run's error is the one raised
+                    self._pending_save = None
+                    _logger.warning(
+                        "the save of checkpoint %d, taken before the error, could not be "
+                        "committed: %s: %s",
+                        pending[0],
+                        type(failure).__name__,
+                        failure,
+                    )
         self._pending_save = None
         self.wait_quietly()
 
