@@ -26,7 +26,9 @@ compiling the 32-step program against the one-step program. The fsdp section (is
 `bench_fsdp.py`), on 4 simulated devices: loopax `mesh={"data": 4}, fsdp=True` against a
 hand-written `jax.jit` step with the same shardings (target >= 0.97), and the per-device
 state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
-50M-parameter MLP.
+50M-parameter MLP. The runend section (issue 25, `bench_run_end.py`): whole `run_steps` calls
+of 3000 tiny steps, the README's hooks (their end-of-run save and flushes included) against
+the bare Loop (target >= 0.97).
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -62,7 +64,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,fsdp] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,fsdp,runend] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -85,7 +87,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp")
+SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp", "runend")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -703,14 +705,15 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, fsdp "
-        "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
+        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
+        "fsdp, runend (keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fused-devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.quick = int(args.quick)
+    explicit_rounds = args.rounds
     if args.rounds is None:
         args.rounds = ROUNDS[args.quick]
     if args.devices_worker:
@@ -745,6 +748,14 @@ def main() -> None:
         import bench_fsdp  # noqa: PLC0415
 
         sections += bench_fsdp.sections(args)
+    if "runend" in only:
+        import bench_run_end  # noqa: PLC0415
+
+        progress("runend: whole runs of 3000 tiny steps, README hooks against the bare Loop")
+        section = bench_run_end.section(
+            bool(args.quick), explicit_rounds, on_round=round_progress("runend")
+        )
+        sections.append(("runend", section))
     print_table(sections, started, load_before)
 
 

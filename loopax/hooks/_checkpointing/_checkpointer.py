@@ -162,7 +162,12 @@ class Checkpointer:
     # -- queries ------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """The steps of the checkpoints on disk, ascending (in-flight saves included)."""
+        """The steps of the checkpoints on disk, ascending, once the saves in flight are done.
+
+        Raises:
+          BackgroundSaveError: a save in flight failed (as `wait`).
+        """
+        self.wait()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -432,15 +437,22 @@ class Checkpointer:
         self.save()
 
     def on_end(self, loop: Loop, metrics: Any) -> None:
-        """OnEnd: saves the last step, then waits for the saves once every OnEnd hook ran.
+        """OnEnd: saves the last step; the run returns while the save finishes in the background.
 
-        The wait comes after the other OnEnd hooks wrote their last points (and the commit
-        ran), so a run ends with its checkpoints and logs on disk.
+        The arrays are copied off the device here, and the commit starts once every OnEnd
+        hook wrote its last points, so the run returns with the state safe in memory and its
+        save under way; the next save, a restore, `wait()`, a new hook on the directory,
+        `loopax.load_params` and the interpreter's exit wait for it, and a failure raises at
+        the next step or run. A run stopped early (`request_stop`: a signal, a time limit,
+        early stopping) waits for the save, since the program usually ends there (and the
+        line an interrupted run ends with names the saved step); so does a run on several
+        processes, whose save every process must reach before they part (one that died is
+        named at once).
         """
         if self.trainer.state is not None:
             self.save()
-        # After the other OnEnd hooks wrote their last points (and the commit ran).
-        loop.call_after_hooks(self.wait)
+        if loop.stop_reason is not None or not self.coordination.single:
+            loop.call_after_hooks(self.wait)  # after the commit, which the save deferred
 
     def on_error(self, loop: Loop, error: BaseException) -> None:
         """OnError: commits a save the failing step took, then waits for the saves in flight.
@@ -472,4 +484,5 @@ class Checkpointer:
         self.wait_quietly()
 
     def __repr__(self) -> str:
-        return f"Checkpointer({str(self.directory)!r}, steps={self.all_steps()})"
+        # The steps on disk now: a repr never waits (nor raises a save's failure).
+        return f"Checkpointer({str(self.directory)!r}, steps={sorted(self._manager.all_steps())})"
