@@ -323,15 +323,16 @@ class Runner:
             exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
 
     def _hand_out_logs_at(self, error: BaseException) -> None:
-        """The train logs asked for before `error`: handed out (their steps are done), or dropped.
+        """The train logs asked for before `error`: handed out, or dropped.
 
-        Handed out so that a checkpoint the OnError hooks commit finds its step's logs
-        written, as without the error; dropped when the error concerns their values (a
-        non-finite loss) or tears the run down. A writer failing again is logged.
+        Those of the steps checked finite are handed out, so that a checkpoint the OnError
+        hooks commit (its step was checked before it was taken) finds its step's logs
+        written, as without the error; the rest are dropped, and all of them when the error
+        is a non-finite loss or tears the run down. A writer failing again is logged.
         """
         if isinstance(error, Exception) and not isinstance(error, NonFiniteLossError):
             try:
-                self._loop_metrics.resolve_logs(NEVER)
+                self._loop_metrics.resolve_logs(self._finite.checked_through)
             except Exception:
                 _logger.exception("writing the train logs of the steps before the error failed")
         self._loop_metrics.pending_logs.clear()
