@@ -33,7 +33,9 @@ hand-written `jax.jit` step with the same shardings (target >= 0.97), and the pe
 state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
 50M-parameter MLP. The restart section (issue 25, `bench_restart.py`): the seconds from a
 process's start to its first step, `examples/digits.py` resumed with JAX's compilation cache
-filled against a cold process (target <= 0.4x).
+filled against a cold process (target <= 0.4x). The runend section (issue 25,
+`bench_run_end.py`): whole `run_steps` calls of 3000 tiny steps, the README's hooks (their
+end-of-run save and flushes included) against the bare Loop (target >= 0.97).
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -71,7 +73,8 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend]
+       [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -104,6 +107,7 @@ SECTIONS = (
     "shuffled",
     "fsdp",
     "restart",
+    "runend",
 )
 DEVICE_COUNT = 4
 
@@ -834,14 +838,15 @@ def main() -> None:
         "--only",
         default=",".join(SECTIONS),
         help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
-        "shuffled, fsdp, restart (keras alone runs the Keras rows on both workloads; fused: "
-        "issue 15's rows; shuffled: the fused Loop on reshuffled on-device data, issue 25)",
+        "shuffled, fsdp, restart, runend (keras alone runs the Keras rows on both workloads; "
+        "fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device data, issue 25)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fused-devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.quick = int(args.quick)
+    explicit_rounds = args.rounds
     if args.rounds is None:
         args.rounds = ROUNDS[args.quick]
     if args.devices_worker:
@@ -882,6 +887,14 @@ def main() -> None:
         import bench_restart  # noqa: PLC0415
 
         sections += bench_restart.sections(args)
+    if "runend" in only:
+        import bench_run_end  # noqa: PLC0415
+
+        progress("runend: whole runs of 3000 tiny steps, README hooks against the bare Loop")
+        section = bench_run_end.section(
+            bool(args.quick), explicit_rounds, on_round=round_progress("runend")
+        )
+        sections.append(("runend", section))
     print_table(sections, started, load_before)
 
 

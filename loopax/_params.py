@@ -45,6 +45,7 @@ def load_params(directory: str | os.PathLike[str], step: int | None = None) -> A
     """
     import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
 
+    from .hooks._checkpointing._active import wait_for_saves  # noqa: PLC0415
     from .hooks._checkpointing._format import check_directory  # noqa: PLC0415
     from .hooks._checkpointing._io import (  # noqa: PLC0415
         DamagedCheckpointError,
@@ -54,6 +55,7 @@ def load_params(directory: str | os.PathLike[str], step: int | None = None) -> A
     )
 
     directory = Path(directory).expanduser().absolute()
+    wait_for_saves(directory)  # a run returns before its end-of-run save is committed
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {str(directory)!r}")
     check_directory(directory)

@@ -16,7 +16,7 @@ from ..loop._internal import dataset_name, reads_a_copy
 from ..trainer import Trainer
 from ._metric_info import eval_metric_infos, is_writer_process
 from ._schedules import EveryNEpochs, EveryNSteps, NTimes
-from ._triggers import on_schedule
+from ._triggers import at_run_end, on_schedule
 
 # `loop.shared_data` key: the names of the datasets an `evaluate` hook evaluates on a schedule
 # (a plot then uses those evaluations instead of running its own).
@@ -127,7 +127,10 @@ def evaluate(
       n_times: evaluate this many times per run, evenly, the last step included.
       every_n_epochs: evaluate at the end of every n-th epoch of `run_epochs`.
       call_on_end: also evaluate at the end of every run (reusing the last step's results
-        when an evaluation already ran there).
+        when an evaluation already ran there); not at the end of a run SIGINT or SIGTERM
+        interrupted (`loop.interrupted`): its resumed run evaluates at its end, so the
+        logs, `loop.history` and the monitors (early stopping, plateau) see the
+        evaluations an uninterrupted run makes.
       print_results: print each evaluation in the `report_eval` format.
       file: where to print (default `sys.stdout`).
       priority: the hooks' priority.
@@ -177,7 +180,7 @@ def evaluate(
     for schedule in schedules:
         on_schedule(loop, schedule, hook_name, evaluator, priority=priority)
     if call_on_end:
-        loop.on_end(hook_name, evaluator, priority=priority, check_finite=False)
+        loop.on_end(hook_name, at_run_end(evaluator), priority=priority, check_finite=False)
     if schedules or call_on_end:
         covered = loop.shared_data.setdefault(EVALUATED_DATASETS, set())
         covered.update(dataset_name(ds) for ds in datasets)

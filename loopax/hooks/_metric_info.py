@@ -26,6 +26,7 @@ _BUILTINS = {
     "moving_average_loss": ("Moving Average Loss", "~loss"),
     "mean_loss": ("Mean Loss", "#loss"),
     "skipped_steps": ("Skipped Steps", "skipped"),
+    "overflow_steps": ("Overflow Steps", "overflows"),
     "learning_rate": ("Learning Rate", "lr"),
     "loss_scale": ("Loss Scale", "scale"),
     "steps_per_second": ("Steps per Second", "steps/s"),
@@ -35,6 +36,7 @@ _BUILTINS = {
 }
 _BUILTIN_TYPES = {
     "skipped_steps": "count",
+    "overflow_steps": "count",
     "learning_rate": "learning_rate",
     "loss_scale": "loss_scale",
     "steps_per_second": "throughput",

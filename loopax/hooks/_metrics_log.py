@@ -74,7 +74,8 @@ def metrics_log(
       every_n_epochs: instead, write them at the end of every n-th epoch of `run_epochs` (as
         Keras's CSVLogger does each epoch).
       format: `"csv"`, `"jsonl"`, or None to pick from the suffix.
-      call_on_end: also write the last step's train metrics at the end of each run.
+      call_on_end: also write the last step's train metrics at the end of each run (not of
+        a run SIGINT or SIGTERM interrupted, see `loop.interrupted`).
       learning_rate: write `train/learning_rate` with the train metrics.
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).
 

@@ -55,16 +55,17 @@ def on_schedule(
     it at the epoch ends it picks.
 
     The hook is named `"<schedule>: name"`. With `call_on_end` it also runs once in OnEnd,
-    unconditionally. Hooks of priority >= `Priority.CHECKPOINT` check every loss so far is
-    finite before they run, only on the steps they fire (`check_finite` overrides it, as
-    for `loop.on_step`).
+    whatever the schedule, unless SIGINT or SIGTERM interrupted the run (`loop.interrupted`):
+    that run is not over, its resumed run ends it. Hooks of priority >= `Priority.CHECKPOINT`
+    check every loss so far is finite before they run, only on the steps they fire
+    (`check_finite` overrides it, as for `loop.on_step`).
 
     Args:
       loop: the `loopax.Loop`.
       when: the schedule.
       name: the user's hook name.
       fn: `fn(loop, metrics)`.
-      call_on_end: also call `fn` in OnEnd.
+      call_on_end: also call `fn` at the end of each run (not of an interrupted one).
       priority: the hook's priority (see `loopax.Priority`).
       check_finite: as for `loop.on_step`.
 
@@ -84,8 +85,24 @@ def on_schedule(
     register = loop.on_epoch_end if getattr(when, "at_epoch_end", False) else loop.on_step
     hook = register(f"{when!r}: {name}", fn, priority, when=when, check_finite=check_finite)
     if call_on_end:
-        loop.on_end(hook.name, fn, priority, check_finite=check_finite)
+        loop.on_end(hook.name, at_run_end(fn), priority, check_finite=check_finite)
     return hook
+
+
+def at_run_end(fn: StepFn) -> StepFn:
+    """`fn` as an OnEnd hook that skips a run SIGINT or SIGTERM interrupted.
+
+    Such a run stops to be resumed: what runs at a run's end (a last log point, a last
+    evaluation) runs at the end of the resumed run, so that its logs and hook states equal
+    an uninterrupted run's. The checkpoint's end-of-run save is not such a hook.
+    """
+
+    def at_end(loop: Loop, metrics: Any) -> Any:
+        if loop.interrupted:
+            return None
+        return fn(loop, metrics)
+
+    return at_end
 
 
 def every_n_steps(

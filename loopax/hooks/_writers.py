@@ -129,7 +129,8 @@ class WriterHooks:
         return self.writer.flush_async()
 
     def on_end(self, loop: Loop, metrics: Any) -> None:
-        if self.call_on_end:
+        # A run a signal interrupted is not over: its resumed run writes the end's point.
+        if self.call_on_end and not loop.interrupted:
             self.log(loop, metrics)
         # After every OnEnd hook (and the last train logs) has written: on disk at the end.
         loop.call_after_hooks(self.writer.flush)
@@ -150,9 +151,11 @@ def write_metrics(
 
     Train metrics (`"train/<metric>"`, plus `"train/learning_rate"` with `learning_rate`)
     are written every `every_n_steps` (or at the steps of `when`) and at the end of each
-    run; every evaluation (`"eval/<dataset>/<metric>"`) when it is published. Points after
-    the restored step are dropped on a resume or rollback, and `loop.flush()` (before every
-    checkpoint commit) flushes the writer. Only process 0 writes.
+    run (not of a run SIGINT or SIGTERM interrupted: the resumed run ends it, so its output
+    equals an uninterrupted run's); every evaluation (`"eval/<dataset>/<metric>"`) when it
+    is published. Points after the restored step are dropped on a resume or rollback, and
+    `loop.flush()` (before every checkpoint commit) flushes the writer. Only process 0
+    writes.
 
     Args:
       loop: the `loopax.Loop`.
@@ -161,7 +164,8 @@ def write_metrics(
         0`; ignored when `when` is given.
       when: a schedule for the train metrics, e.g. `hooks.Exponential(10, 1.2)`, or
         `hooks.EveryNEpochs(1)` for the epoch ends of `run_epochs`.
-      call_on_end: also write the last step's train metrics at the end of each run.
+      call_on_end: also write the last step's train metrics at the end of each run (not
+        of an interrupted one, see `loop.interrupted`).
       learning_rate: also write the optimizer's live learning rate.
       name: the hooks' name (default: the writer's class name).
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).

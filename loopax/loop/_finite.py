@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from .. import _warnings
-from ..trainer._state import skipped_steps
-from ..trainer._steps import SKIPPED_STEPS
+from ..trainer._state import overflow_steps, skipped_steps
+from ..trainer._steps import OVERFLOW_STEPS, SKIPPED_STEPS
 from ._loop_metrics import GroupMetrics
 
 MOVING_AVERAGE = "moving_average_loss"
@@ -65,6 +65,9 @@ class FiniteChecker:
     and only then are the window's losses read to find the first. While the trainer skips
     non-finite steps (`Trainer.skip_non_finite_steps`), the average stays finite and the
     running count of skipped steps plays that part; the skipped steps go to the handler.
+    With a dynamic loss scale, the skips it counts as overflows (a finite loss, the scale
+    above its smallest) are routine and go to no handler: the scale halves and training goes
+    on.
     """
 
     def __init__(self) -> None:
@@ -72,6 +75,8 @@ class FiniteChecker:
         self.handler: NonFiniteHandler | None = None
         self._indicator = MOVING_AVERAGE
         self._skipped_seen = 0.0
+        self._overflows = False  # whether the steps report `overflow_steps`
+        self._overflows_seen = 0.0
         # A failure stays raised: a hook that catches it cannot make the run go on quietly.
         self.failure: NonFiniteLossError | None = None
 
@@ -84,8 +89,16 @@ class FiniteChecker:
         """A run starts at `start_step` with freshly reset train metrics."""
         self._indicator = SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE
         self._skipped_seen = 0.0
+        self._overflows = self._indicator == SKIPPED_STEPS and trainer.loss_scale == "dynamic"
+        # Counted since training began (kept with the loss scale), not since this run.
+        self._overflows_seen = self._overflows_in(trainer.state)
         self.checked_through = start_step - 1
         self.failure = None
+
+    def _overflows_in(self, state: Any) -> float:
+        if not self._overflows or state is None:
+            return 0.0
+        return _as_float(jax.device_get(overflow_steps(state)))
 
     def restart(self, trainer: Any, step: int) -> None:
         """The run continues from `step` with the trainer's (restored) state."""
@@ -93,6 +106,7 @@ class FiniteChecker:
         state = trainer.state
         if state is not None:
             self._skipped_seen = _as_float(jax.device_get(skipped_steps(state)))
+            self._overflows_seen = self._overflows_in(state)
 
     @property
     def indicator(self) -> str:
@@ -113,16 +127,29 @@ class FiniteChecker:
             if not math.isfinite(value):
                 self._raise_first(window, value)
         elif value != self._skipped_seen:
-            previous, skipped = self._skipped_seen, []
-            for step, count in per_step(window, SKIPPED_STEPS):
-                if count > previous:
-                    skipped.append(step)
-                previous = count
+            skipped = self._skipped_in(window)
             self._skipped_seen = value
             self.checked_through = newest_step
-            self._handle(loop, skipped)
+            if skipped:
+                self._handle(loop, skipped)
             return
         self.checked_through = newest_step
+
+    def _skipped_in(self, window: Window) -> list[int]:
+        """The steps of `window` skipped for a non-finite loss or gradient (not an overflow)."""
+        counts = per_step(window, SKIPPED_STEPS)
+        overflows = per_step(window, OVERFLOW_STEPS) if self._overflows else None
+        previous, previous_overflows, skipped = self._skipped_seen, self._overflows_seen, []
+        for index, (step, count) in enumerate(counts):
+            overflowed = False
+            if overflows is not None:
+                overflowed = overflows[index][1] > previous_overflows
+                previous_overflows = overflows[index][1]
+            if count > previous and not overflowed:
+                skipped.append(step)
+            previous = count
+        self._overflows_seen = previous_overflows
+        return skipped
 
     def _raise_first(self, window: Window, average: float) -> None:
         for step, loss in per_step(window, "loss"):

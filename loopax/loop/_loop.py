@@ -80,6 +80,8 @@ class Loop:
       shared_data: a dict where hooks leave results for each other.
       train_step_durations: seconds per step, hooks included (the last 1024 steps).
       stop_reason: the reason given to `request_stop`, or None.
+      interrupted: True from the OnEnd hooks of a run that SIGINT or SIGTERM stopped before
+        its last step (on any process of the run) until the next run starts.
       checkpointed_step: the newest global step a checkpoint hook saved, or None.
 
     Example:
@@ -162,6 +164,11 @@ class Loop:
     def stop_reason(self) -> str | None:
         """The reason given to `request_stop`, or None."""
         return self._runner.stop_reason
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether SIGINT or SIGTERM stopped the run before its last step (see the class)."""
+        return self._runner.interrupted
 
     @property
     def running(self) -> bool:
@@ -303,9 +310,7 @@ class Loop:
         return {
             "history": self.history.get_state(),
             "hooks": self._hooks.get_states(),
-            "run": {"start_step": self.start_step, "end_step": self.end_step}
-            if self._runner.running
-            else None,
+            "run": self._runner.run_state(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -386,12 +391,7 @@ class Loop:
         A host metric's entry is its value after the group. The group's first loop step is
         `loop_step - len(values) + 1` while OnStep hooks run.
         """
-        group = self._runner.group
-        if group is None:
-            import jax.numpy as jnp  # noqa: PLC0415
-
-            return {key: jnp.asarray(value)[None] for key, value in self.metrics.items()}
-        return group.every_step()
+        return self._runner.group_metrics()
 
     # -- what hooks ask of the loop -------------------------------------------------------
 

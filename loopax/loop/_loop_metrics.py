@@ -53,6 +53,15 @@ class GroupMetrics(dict):
         return result
 
 
+def every_step(group: GroupMetrics | None, metrics: Metrics) -> dict[str, Any]:
+    """`group.every_step()`, or the latest step's `metrics` on an axis of one (no group)."""
+    if group is None:
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        return {key: jnp.asarray(value)[None] for key, value in metrics.items()}
+    return group.every_step()
+
+
 class LoopMetrics:
     """Reads a loop's train metrics for its hooks, and evaluates once per step and dataset.
 

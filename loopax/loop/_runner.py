@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -14,14 +15,15 @@ from ..data._iterables import RunIterable, check_restartable
 from ..data._reader import StepReader, power_of_two_at_most
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
-from ._finite import FiniteChecker
+from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import NEVER
 from ._hook_registry import HookRegistry
-from ._loop_metrics import GroupMetrics, LoopMetrics
+from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
 from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
 
 Metrics = dict[str, Any]
+_logger = logging.getLogger("loopax")
 
 
 class Runner:
@@ -51,6 +53,9 @@ class Runner:
       group: the latest group of fused steps, or None (`steps_per_execution=1`).
       running: whether a run is in progress.
       stop_requested: whether the run ends after the current step's hooks.
+      interrupted: whether SIGINT or SIGTERM stopped the run before its last step (on
+        this process, or on the process whose stop every process agreed on); set before
+        the OnEnd hooks, cleared when the next run starts.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Runner:
         self.running = False
         self.stop_requested = False
         self.stop_reason: str | None = None
+        self.interrupted = False
         self._epoch_batches = 0
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
@@ -126,6 +132,16 @@ class Runner:
     def remember_run(self, run: dict[str, int] | None) -> None:
         """The run (`{"start_step", "end_step"}`) a restored state was saved in, if any."""
         self._resumed_run = run
+
+    def run_state(self) -> dict[str, int] | None:
+        """The run in progress `{"start_step", "end_step"}` for a checkpoint; None between runs."""
+        if not self.running:
+            return None
+        return {"start_step": self.start_step, "end_step": self.end_step}
+
+    def group_metrics(self) -> dict[str, Any]:
+        """Every step's metrics of the latest group of fused steps; see `Loop.group_metrics`."""
+        return every_step(self.group, self.metrics)
 
     def check_finite(self) -> None:
         """Waits for the steps in flight and checks their losses, unless all are checked."""
@@ -272,7 +288,7 @@ class Runner:
             self.loop_step
         ):
             self.stop_requested = True
-            self.stop_reason = _reason(agreed)
+            self.stop_reason = agreed.shown_reason
         return self.stop_requested
 
     def _settle_between_steps(self) -> None:
@@ -294,7 +310,7 @@ class Runner:
         except BaseException as error:
             self._in_flight.wait_all()
             self._hooks.after_hooks.clear()
-            self._loop_metrics.pending_logs.clear()
+            self._hand_out_logs_at(error)
             self._hooks.run_error(error)
             raise
         finally:
@@ -305,6 +321,21 @@ class Runner:
             signum = agreed.signum  # the signal another process got: every process exits so
         if signum is not None:
             exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
+
+    def _hand_out_logs_at(self, error: BaseException) -> None:
+        """The train logs asked for before `error`: handed out, or dropped.
+
+        Those of the steps checked finite are handed out, so that a checkpoint the OnError
+        hooks commit (its step was checked before it was taken) finds its step's logs
+        written, as without the error; the rest are dropped, and all of them when the error
+        is a non-finite loss or tears the run down. A writer failing again is logged.
+        """
+        if isinstance(error, Exception) and not isinstance(error, NonFiniteLossError):
+            try:
+                self._loop_metrics.resolve_logs(self._finite.checked_through)
+            except Exception:
+                _logger.exception("writing the train logs of the steps before the error failed")
+        self._loop_metrics.pending_logs.clear()
 
     def _close_agreement(self) -> AgreedStop | None:
         """Ends the run's agreement, if any; the stop it agreed on."""
@@ -335,7 +366,7 @@ class Runner:
         self.loop_step = self.start_step = trainer.global_step
         self.end_step = end_step
         self.epoch = 0
-        self.stop_requested = False
+        self.stop_requested = self.interrupted = False
         self._hooks.halted = False
         self.stop_reason = None
         self.metrics = {}
@@ -444,12 +475,19 @@ class Runner:
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
+        self.interrupted = self._stopped_by_signal()
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
 
+    def _stopped_by_signal(self) -> bool:
+        """Whether a signal ends the run before its last step (see `interrupted`).
 
-def _reason(agreed: AgreedStop) -> str:
-    """The agreed stop's reason, as every process reports it."""
-    if agreed.signum is None:
-        return agreed.reason
-    return f"{agreed.reason} (on process {agreed.process})"
+        On several processes the agreed stop decides, so every process answers alike.
+        """
+        if self.loop_step == self.end_step:
+            return False  # the run is complete, whenever a signal came
+        agreement = self._agreement
+        if agreement is not None:
+            agreed = agreement.agreed
+            return agreed is not None and agreed.signum is not None
+        return self._interrupts.received is not None

@@ -40,6 +40,13 @@ class AgreedStop:
     signum: int | None
     process: int
 
+    @property
+    def shown_reason(self) -> str:
+        """The reason as every process reports it: a signal's names the process it came to."""
+        if self.signum is None:
+            return self.reason
+        return f"{self.reason} (on process {self.process})"
+
 
 @dataclasses.dataclass(frozen=True)
 class RunEnded:

@@ -40,8 +40,11 @@ class HostMetric(abc.ABC):
        memory they hold.
     3. `init_host()` is the state before any value; the trainer starts afresh with it on
        `Trainer.reset_train_metrics()` (train) or `reset_eval_metrics()`/`evaluate()`
-       (eval). The host state is not part of the train state: checkpoints do not hold it,
-       so a resumed run starts it empty.
+       (eval). The host state is not part of the train state: a train metric's goes into
+       checkpoints as JSON through `host_state_dict(state)`, and a resumed run that goes on
+       with the checkpoint's run continues it from `load_host_state_dict(saved)`, so its
+       values equal an uninterrupted run's. Without them (they return None and raise by
+       default) a checkpoint warns and a resumed run starts the metric afresh.
 
     In the metrics dict (what `Trainer.train_step`/`eval_step` return and hooks get) a
     host metric's entry is a lazy scalar: `float(value)`, `np.asarray(value)` and
@@ -111,6 +114,41 @@ class HostMetric(abc.ABC):
     @abc.abstractmethod
     def compute_host(self, state: HostState) -> float:
         """Returns the metric's value from the host state (NaN when it holds no value)."""
+
+    def host_state_dict(self, state: HostState) -> dict[str, Any] | None:
+        """Returns `state` as JSON (dicts, lists, str, int, float), for checkpoints.
+
+        Called when a checkpoint is saved, with every step so far folded in; it must not
+        change `state`. Default: None, the state cannot be saved (a checkpoint then warns,
+        and a resumed run starts the metric afresh).
+
+        Args:
+          state: the host state.
+
+        Returns:
+          A JSON dict from which `load_host_state_dict` rebuilds `state`, or None.
+        """
+        del state
+        return None
+
+    def load_host_state_dict(self, saved: dict[str, Any]) -> HostState:
+        """Returns the host state that `host_state_dict` saved as `saved`.
+
+        Args:
+          saved: what `host_state_dict` returned (read back from JSON).
+
+        Returns:
+          The host state to go on from.
+
+        Raises:
+          ValueError: `saved` does not fit this metric (e.g. saved with other settings).
+          NotImplementedError: the default; implement it with `host_state_dict`.
+        """
+        del saved
+        raise NotImplementedError(
+            f"{type(self).__name__} saved a host state but does not implement "
+            "load_host_state_dict to read it back"
+        )
 
     def pretty_print(self, value: Any) -> str:
         """Formats a computed value for people (default: 3 significant digits).

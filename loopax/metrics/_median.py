@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +53,9 @@ class StreamingMedian(HostMetric):
     is the median of the batch means, as in GoMLX). The device sends the values as
     float32 (float64 when `fn` returns float64).
 
-    The sample lives on the host: checkpoints do not hold it, and `Trainer.
-    reset_train_metrics()` (or, for eval, each evaluation) empties it.
+    The sample lives on the host; checkpoints keep it, with the generator's position
+    (`host_state_dict`), so a resumed run's median equals an uninterrupted run's.
+    `Trainer.reset_train_metrics()` (or, for eval, each evaluation) empties it.
 
     Args:
       name: the metric's key in the metrics dict (unique per trainer).
@@ -124,7 +127,9 @@ class StreamingMedian(HostMetric):
 
         Until the buffer is full every value is kept; then the `k`-th value seen replaces
         a uniformly chosen sample with probability `sample_size / k` (Algorithm R, drawn
-        for the whole array at once).
+        for the whole array at once). Each value takes two draws of the generator, whether
+        to keep it and where, so the sample does not depend on how the values came in
+        chunks (when the trainer read them): a resumed run keeps the uninterrupted run's.
 
         Args:
           state: the running sample.
@@ -142,13 +147,47 @@ class StreamingMedian(HostMetric):
         rest = flat[fill:]
         if rest.shape[0]:
             positions = np.arange(state.seen + 1, state.seen + 1 + rest.shape[0])
-            kept = state.rng.random(rest.shape[0]) * positions < capacity
-            slots = state.rng.integers(0, capacity, size=int(kept.sum()))
+            draws = state.rng.random((rest.shape[0], 2))  # per value: keep it? where?
+            kept = draws[:, 0] * positions < capacity
+            slots = (draws[kept, 1] * capacity).astype(np.int64)  # uniform in [0, capacity)
             # Sequentially a later value overwrites an earlier one in the same slot: keep
             # each slot's last value (numpy leaves repeated-index assignment unordered).
             reversed_slots, last = np.unique(slots[::-1], return_index=True)
             state.samples[reversed_slots] = rest[kept][::-1][last]
             state.seen += rest.shape[0]
+        return state
+
+    def host_state_dict(self, state: StreamingMedianState) -> dict[str, Any]:
+        """Returns the sample as JSON: its values, counts and random generator's state.
+
+        The values go exactly, as their float64 bytes in base64.
+        """
+        values = np.ascontiguousarray(state.samples[: state.count], "<f8")
+        return {
+            "samples": base64.b64encode(values.tobytes()).decode("ascii"),
+            "count": int(state.count),
+            "seen": int(state.seen),
+            "rng": state.rng.bit_generator.state,
+        }
+
+    def load_host_state_dict(self, saved: dict[str, Any]) -> StreamingMedianState:
+        """Returns the sample `host_state_dict` saved, ready to take more values.
+
+        Raises:
+          ValueError: the saved sample holds more values than `sample_size`.
+        """
+        values = np.frombuffer(base64.b64decode(saved["samples"]), "<f8")
+        count = int(saved["count"])
+        if values.shape[0] != count or count > self.sample_size:
+            raise ValueError(
+                f"StreamingMedian {self.name!r}: the saved sample holds {values.shape[0]} "
+                f"values (count {count}) and sample_size is {self.sample_size}; use the "
+                "sample_size it was saved with"
+            )
+        state = self.init_host()
+        state.samples[:count] = values
+        state.count, state.seen = count, int(saved["seen"])
+        state.rng.bit_generator.state = saved["rng"]
         return state
 
     def compute_host(self, state: StreamingMedianState) -> float:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _warnings
 from ..metrics._host import is_host_metric as is_host_metric
 from ..metrics._mean import batch_size_of
 
@@ -145,6 +146,7 @@ class HostMetrics:
         self.single = num_devices == 1
         self.max_pending = MAX_PENDING
         self._stream = _Stream(metrics, self.max_pending)
+        self._warned: set[str] = set()  # metrics whose state cannot be checkpointed
 
     def __bool__(self) -> bool:
         return bool(self.metrics)
@@ -224,6 +226,60 @@ class HostMetrics:
         """Starts the host states afresh; values already handed out keep reading theirs."""
         self._stream = _Stream(self.metrics, self.max_pending)
 
+    # -- what checkpoints keep -----------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        """The host states after every step pushed so far, as JSON by metric name.
+
+        Folds the pending step values in first (it waits for those steps). A metric whose
+        `host_state_dict` is missing or returns None is left out, with a warning (once):
+        a resumed run starts it afresh.
+        """
+        saved = self._stream.saved_states()
+        for metric in self.metrics:
+            if metric.name not in saved and metric.name not in self._warned:
+                self._warned.add(metric.name)
+                _warnings.warn(
+                    f"host metric {metric.name!r} ({type(metric).__name__}) gives no state to "
+                    "checkpoint (its host_state_dict returns None), so a resumed run starts it "
+                    "afresh and its values differ from an uninterrupted run's; implement "
+                    "host_state_dict and load_host_state_dict (see loopax.metrics.HostMetric)"
+                )
+        return saved
+
+    def set_state(self, saved: dict[str, Any]) -> None:
+        """Goes on from the host states of `get_state()`; a metric missing from it starts afresh.
+
+        Values already handed out keep reading the states they came from.
+
+        Raises:
+          ValueError: a saved state does not fit its metric (as its `load_host_state_dict`
+            says).
+        """
+        self._stream = _Stream(self.metrics, self.max_pending, saved)
+
+
+def _loaded(metric: Any, data: Any) -> Any:
+    """`metric`'s host state from its saved `data`.
+
+    Raises:
+      ValueError: the metric cannot load it (naming the metric).
+    """
+    load = getattr(metric, "load_host_state_dict", None)
+    if not callable(load):
+        raise ValueError(
+            f"host metric {metric.name!r} ({type(metric).__name__}) has a saved state but no "
+            "load_host_state_dict to read it; implement it (see loopax.metrics.HostMetric)"
+        )
+    try:
+        return load(data)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"the saved state of host metric {metric.name!r} does not fit it "
+            f"({type(err).__name__}: {err}); was it saved with other settings? Attach the "
+            "checkpoint with restore='never' to start afresh"
+        ) from err
+
 
 def fetch(entries: list) -> list:
     """Reads step values from the device whose copies to the host were started."""
@@ -241,10 +297,14 @@ class _Stream:
     another thread (a writer's) from folding while the loop pushes.
     """
 
-    def __init__(self, metrics: tuple, max_pending: int):
+    def __init__(self, metrics: tuple, max_pending: int, saved: dict[str, Any] | None = None):
         self.metrics = metrics
         self.positions = {metric.name: position for position, metric in enumerate(metrics)}
-        self.states = [metric.init_host() for metric in metrics]
+        saved = saved or {}
+        self.states = [
+            _loaded(metric, saved[metric.name]) if metric.name in saved else metric.init_host()
+            for metric in metrics
+        ]
         self.pending: collections.deque[tuple[int, tuple]] = collections.deque()
         self.max_pending = max_pending
         self.pushed = 0  # steps pushed; the next step's index
@@ -328,6 +388,19 @@ class _Stream:
 
     def compute(self, position: int) -> float:
         return float(self.metrics[position].compute_host(self.states[position]))
+
+    def saved_states(self) -> dict[str, Any]:
+        """Every pending step folded in, the states that can be saved, by metric name."""
+        with self.lock:
+            if self.pending:
+                self._fold_through(self.pending[-1][0])
+            saved = {}
+            for metric, state in zip(self.metrics, self.states, strict=True):
+                to_dict = getattr(metric, "host_state_dict", None)
+                data = to_dict(state) if callable(to_dict) else None
+                if data is not None:
+                    saved[metric.name] = data
+            return saved
 
     def read(self, value: HostMetricValue) -> float:
         with self.lock:

@@ -7,9 +7,12 @@ back to the float32 parameters.
 
 Dynamic loss scaling (for float16, whose range ends at 65504): the loss is multiplied by
 the scale before differentiation and the gradients divided by it. A step whose gradients
-are not finite (an overflow) is skipped: parameters and optimizer state stay, and the
-scale halves. After `GROWTH_INTERVAL` finite steps in a row the scale doubles. The scale
-and that count are one float32[2] in the train state, so checkpoints keep them.
+are not finite is skipped: parameters and optimizer state stay, and the scale halves.
+After `GROWTH_INTERVAL` finite steps in a row the scale doubles. A skip with a finite loss
+above the smallest scale is an overflow, routine for the scaling: it is counted apart, so
+that a non-finite loss (or gradient at the smallest scale) is told from it. The scale, that
+run of finite steps and the overflow count are one float32[3] in the train state, so
+checkpoints keep them (a float32[2] of an older checkpoint reads with no overflow counted).
 """
 
 from __future__ import annotations
@@ -101,16 +104,42 @@ def to_float32(tree: Any, dtype: np.dtype | None) -> Any:
 
 
 def fresh_dynamic_scale() -> jax.Array:
-    """The dynamic loss scale state before any step: `(scale, finite steps in a row)`."""
-    return jnp.asarray([INITIAL_SCALE, 0.0], jnp.float32)
+    """The dynamic loss scale state before any step: `(scale, finite run, overflows)`."""
+    return jnp.asarray([INITIAL_SCALE, 0.0, 0.0], jnp.float32)
 
 
-def next_dynamic_scale(state: jax.Array, finite: jax.Array) -> jax.Array:
-    """The scale state after a step whose gradients were `finite` (a bool scalar)."""
-    scale, streak = state[0], state[1] + 1.0
+def next_dynamic_scale(state: jax.Array, finite: jax.Array, loss_finite: jax.Array) -> jax.Array:
+    """The scale state after a step whose gradients were `finite` (a bool scalar).
+
+    `loss_finite` (a bool scalar): whether the step's loss was; a skip with a finite loss
+    above the smallest scale counts as an overflow.
+    """
+    scale, streak, overflows = state[0], state[1] + 1.0, state[2]
     grow = streak >= GROWTH_INTERVAL
     grown = jnp.stack(
-        [jnp.where(grow, jnp.minimum(scale * 2.0, MAX_SCALE), scale), jnp.where(grow, 0.0, streak)]
+        [
+            jnp.where(grow, jnp.minimum(scale * 2.0, MAX_SCALE), scale),
+            jnp.where(grow, 0.0, streak),
+            overflows,
+        ]
     )
-    shrunk = jnp.stack([jnp.maximum(scale * 0.5, MIN_SCALE), jnp.zeros_like(scale)])
+    # At the smallest scale a non-finite gradient is not the scaling's doing.
+    overflow = loss_finite & (scale > MIN_SCALE)
+    shrunk = jnp.stack(
+        [
+            jnp.maximum(scale * 0.5, MIN_SCALE),
+            jnp.zeros_like(scale),
+            overflows + overflow.astype(jnp.float32),
+        ]
+    )
     return jnp.where(finite, grown, shrunk)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Traced: whether every floating leaf of `tree` is finite (a bool scalar)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return (
+        jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
+        if leaves
+        else jnp.bool_(True)
+    )

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..data._datasets import as_list
+from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._models import no_parameters_message
 from ._named import fused_metrics, named_metrics
@@ -153,6 +154,32 @@ class Programs:
         placed.global_step += chunk.count
         stacked, last = fused_metrics(self.metric_names, values, self._host_train)
         return StepResult(last, stacked)
+
+    def dispatch(
+        self,
+        dispatch: Dispatch,
+        train_step: Callable[..., dict[str, Any]],
+        train_steps: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
+    ) -> StepResult:
+        """Runs one dispatch of the loop as one compiled call; see `Trainer.run`.
+
+        `OneStep` and `Stacked` go through `train_step` and `train_steps`, the Trainer's
+        public methods, so that a subclass or wrapper of them sees every step.
+
+        Raises:
+          TypeError: `dispatch` is none of `OneStep`, `Stacked` and `OnDevice`.
+        """
+        if isinstance(dispatch, OneStep):
+            return StepResult(train_step(*dispatch))
+        if isinstance(dispatch, Stacked):
+            stacked, last = train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
+            return StepResult(last, stacked)
+        if isinstance(dispatch, OnDevice):
+            return self.train_gathered(dispatch.spec, dispatch.chunk)
+        raise TypeError(
+            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
+            f"{type(dispatch).__name__}"
+        )
 
     def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:
         """Runs `program` (not a train program) on a batch; its outputs.

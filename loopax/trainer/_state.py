@@ -32,8 +32,8 @@ class TrainState:
         average and skipped-step count under `"moving_average_loss"` (one float32[3]:
         mean, count, skipped: a `LossMovingAverage` state), and the user's
         compiled train metrics under theirs.
-      loss_scale: the dynamic loss scale's state (float32[2]: scale, finite steps in a
-        row) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
+      loss_scale: the dynamic loss scale's state (float32[3]: scale, finite steps in a
+        row, overflows skipped) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
     """
 
     step: jax.Array | np.ndarray
@@ -78,12 +78,26 @@ def skipped_steps(state: TrainState) -> Any:
     return LossMovingAverage().skipped(state.train_metrics[LossMovingAverage.name])
 
 
+def overflow_steps(state: TrainState) -> Any:
+    """The dynamic loss scale's count of overflow skips (a float32 scalar), or None."""
+    return None if state.loss_scale is None else state.loss_scale[2]
+
+
 _LOSS_AVERAGE_PATH = ("train_metrics", LossMovingAverage.name)
+_LOSS_SCALE_PATH = ("loss_scale",)
 
 
 def _upgrade(path: tuple[str, ...], value: Any, leaf: Any) -> Any:
-    """Reads states written by loopax 0.1, whose loss average was float32[2] (no skip count)."""
-    if path == _LOSS_AVERAGE_PATH and np.shape(value) == (2,) and np.shape(leaf) == (3,):
+    """Reads the states of older checkpoints, one count shorter.
+
+    loopax 0.1's loss average was float32[2] (no skip count); the dynamic loss scale was
+    float32[2] (no overflow count) until overflows were counted apart. The missing count
+    starts at 0.
+    """
+    if (path, np.shape(value), np.shape(leaf)) in (
+        (_LOSS_AVERAGE_PATH, (2,), (3,)),
+        (_LOSS_SCALE_PATH, (2,), (3,)),
+    ):
         return np.concatenate([np.asarray(value), np.zeros((1,), np.asarray(value).dtype)])
     return value
 

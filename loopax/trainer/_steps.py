@@ -22,10 +22,16 @@ from ..metrics._mean import (
     zero_mean_state,
 )
 from ._collectives import Collectives
-from ._host_metrics import HostMetrics, StepValues, merge_step_values
+from ._host_metrics import HostMetrics, merge_step_values
 from ._models import explained_model_errors
 from ._parallel import Strategy
-from ._precision import cast_floating, fresh_dynamic_scale, next_dynamic_scale, to_float32
+from ._precision import (
+    all_finite,
+    cast_floating,
+    fresh_dynamic_scale,
+    next_dynamic_scale,
+    to_float32,
+)
 from ._state import TrainState
 
 _INIT_STREAM = 2**31 - 1  # folded into the seed for initialization; steps use 0, 1, ...
@@ -36,6 +42,7 @@ LossFn = Callable[[list[jax.Array], list[jax.Array]], jax.Array]
 LOSS = "loss"
 MOVING_AVERAGE_LOSS = LossMovingAverage.name
 SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
+OVERFLOW_STEPS = "overflow_steps"  # with dynamic loss scaling: its skips of them
 LOSS_SCALE = "loss_scale"  # with `loss_scale`
 MEAN_LOSS = "mean_loss"
 
@@ -98,8 +105,8 @@ class StepBuilder:
 
     Attributes:
       train_keys: the train step's metric names, in the order of its metrics dict:
-        `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"` and
-        `"loss_scale"` when on.
+        `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"`,
+        `"overflow_steps"` and `"loss_scale"` when on.
       eval_keys: the eval step's: `"mean_loss"`, then the user's.
       train_state_keys: the keys of `TrainState.train_metrics`, in the order of its
         metrics: `"moving_average_loss"`, then the user's compiled ones (a host metric's
@@ -115,6 +122,8 @@ class StepBuilder:
         train_keys = (LOSS, MOVING_AVERAGE_LOSS, *config.train_order)
         if config.reports_skips:
             train_keys = (*train_keys, SKIPPED_STEPS)
+        if config.dynamic_scale:
+            train_keys = (*train_keys, OVERFLOW_STEPS)
         if config.loss_scale is not None:
             train_keys = (*train_keys, LOSS_SCALE)
         self.train_keys: tuple[str, ...] = train_keys
@@ -322,8 +331,9 @@ class StepBuilder:
         loss_scale = state.loss_scale
         if config.reports_skips:
             # Identical on every device: the loss and gradients are already averaged.
-            grads_finite = _all_finite(grads)
-            ok = jnp.isfinite(loss) & grads_finite
+            grads_finite = all_finite(grads)
+            loss_finite = jnp.isfinite(loss)
+            ok = loss_finite & grads_finite
             # Without skip_non_finite, a non-finite loss still reaches the moving average,
             # so the loop reports it; only an overflow of the scaled gradient is routine.
             average_ok = ok if config.skip_non_finite else None
@@ -337,7 +347,7 @@ class StepBuilder:
             if config.skip_non_finite:
                 user_states = keep(user_states, self._user_states(state))
             if config.dynamic_scale:
-                loss_scale = next_dynamic_scale(state.loss_scale, grads_finite)
+                loss_scale = next_dynamic_scale(state.loss_scale, grads_finite, loss_finite)
         loss_average = self.loss_average.add_loss(
             state.train_metrics[MOVING_AVERAGE_LOSS], loss, average_ok, None if ok is None else ~ok
         )
@@ -348,6 +358,8 @@ class StepBuilder:
         }
         if config.reports_skips:
             values[SKIPPED_STEPS] = self.loss_average.skipped(loss_average)
+        if config.dynamic_scale:  # of the skips, the overflows, since training began
+            values[OVERFLOW_STEPS] = loss_scale[2]
         if config.loss_scale is not None:  # the scale the next step uses
             values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
         # Host metrics' step values, returned unread (a skipped step's are left out).
@@ -390,7 +402,8 @@ class StepBuilder:
         stacked = {name: v for name, v in values.items() if name not in host_names}
         last = {name: v[-1] for name, v in stacked.items()}
         for metric in self.config.host_train.metrics:
-            last[metric.name] = _fold_steps(values[metric.name])
+            # A host metric's StepValues of every step, folded into one step's.
+            last[metric.name] = values[metric.name].of_micro_batches()
         return state, (stacked, last)
 
     def predict(self, spec, rng, state: TrainState, inputs):
@@ -481,18 +494,3 @@ class StepBuilder:
             **{m.name: partials[m.name] for m in self.config.host_eval.metrics},
         }
         return states, values
-
-
-def _fold_steps(values: Any) -> StepValues:
-    """A host metric's step values of every step of a scan, folded into one step's."""
-    assert isinstance(values, StepValues), "host metrics return StepValues"
-    return values.of_micro_batches()
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return (
-        jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves]))
-        if leaves
-        else jnp.bool_(True)
-    )

@@ -11,10 +11,11 @@ import optax
 
 from .._validate import positive_int
 from ..data._datasets import Dataset
-from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
+from ..data._reader import Dispatch
 from ._context import ModelFn
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
+from ._host_metrics import HostMetrics
 from ._layout import sharding_report
 from ._mesh import choose_strategy
 from ._models import adapt
@@ -304,6 +305,16 @@ class Trainer:
         """
         self._placed.load_state_dict(tree, where, self._programs.steps)
 
+    @property
+    def host_metric_states(self) -> HostMetrics:
+        """The train host metrics' states, which checkpoints keep (`loop.add_state`).
+
+        `get_state()`: JSON by metric name, every step so far folded in (a wait for the
+        steps in flight); `set_state(saved)`: the states to go on from (a metric missing
+        from `saved` starts afresh). See `loopax.metrics.HostMetric.host_state_dict`.
+        """
+        return self._programs.steps.config.host_train
+
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
         steps = self._programs.steps
@@ -408,18 +419,7 @@ class Trainer:
           TypeError: `dispatch` is none of the three records, or as `train_step`.
           ValueError: as `train_step` and `train_steps`.
         """
-        # Through the public methods: a subclass or wrapper of `train_step` sees every step.
-        if isinstance(dispatch, OneStep):
-            return StepResult(self.train_step(*dispatch))
-        if isinstance(dispatch, Stacked):
-            stacked, last = self.train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
-            return StepResult(last, stacked)
-        if isinstance(dispatch, OnDevice):
-            return self._programs.train_gathered(dispatch.spec, dispatch.chunk)
-        raise TypeError(
-            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
-            f"{type(dispatch).__name__}"
-        )
+        return self._programs.dispatch(dispatch, self.train_step, self.train_steps)
 
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""

@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._devices import AXIS
 from ._host_metrics import is_host_metric, split_host_metrics
-from ._steps import LOSS, LOSS_SCALE, MEAN_LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, StepConfig
+from ._steps import (
+    LOSS,
+    LOSS_SCALE,
+    MEAN_LOSS,
+    MOVING_AVERAGE_LOSS,
+    OVERFLOW_STEPS,
+    SKIPPED_STEPS,
+    StepConfig,
+)
 
 if TYPE_CHECKING:
     import optax
@@ -16,7 +24,7 @@ if TYPE_CHECKING:
 
 _METRIC_METHODS = ("init", "update", "merge", "compute")
 # The names the step bodies give their own values; no user metric may take one.
-RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, LOSS_SCALE)
+RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, OVERFLOW_STEPS, LOSS_SCALE)
 RESERVED_EVAL_NAMES = (MEAN_LOSS,)
 
 

@@ -514,8 +514,9 @@ def test_when_no_checkpoint_is_good_it_refuses_to_start_over(trainer, tmp_path):
 def test_a_failed_background_save_raises_at_a_next_step_naming_the_directory(trainer, tmp_path):
     directory = tmp_path / "ckpt"
     loop = loopax.Loop(trainer)
-    hooks.checkpoint(loop, directory, every_n_steps=2)
+    checkpointer = hooks.checkpoint(loop, directory, every_n_steps=2)
     loop.run_steps(make_dataset(), 1)
+    checkpointer.wait()  # the run returns before its end-of-run save is committed
     shutil.rmtree(directory)
     directory.write_text("not a directory any more")  # every write under it now fails
     with pytest.raises(

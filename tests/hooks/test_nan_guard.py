@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -178,3 +179,101 @@ def test_the_rollback_count_survives_a_resume(tmp_path):
     resumed = make_loop(tmp_path)  # a new process: the checkpoint of step 40 comes back
     guard = hooks.nan_guard(resumed, max_skips=3, max_rollbacks=3)
     assert resumed.trainer.global_step == 40 and guard.rollbacks == 1
+
+
+# -- with a dynamic loss scale: overflow skips are routine, non-finite losses are not --------
+
+
+@jax.custom_vjp
+def overflow_gradient_if(x, flag):
+    """Identity on `x`; its gradient is +inf wherever `flag` is set (a float16 overflow of the
+    scaled gradient injected in the backward pass, the loss staying finite)."""
+    return x
+
+
+def _overflow_forward(x, flag):
+    return x, flag
+
+
+def _overflow_backward(flag, cotangent):
+    blown = jnp.where(flag[:, None] > 0, jnp.asarray(jnp.inf, cotangent.dtype), cotangent)
+    return blown, jnp.zeros_like(flag)
+
+
+overflow_gradient_if.defvjp(_overflow_forward, _overflow_backward)
+
+
+class OverflowingDataset(PoisonedDataset):
+    """`PoisonedDataset` with a second input: the batches in `overflow` overflow the float16
+    gradient; those in `bad` hold NaN inputs (a non-finite loss)."""
+
+    name = "overflowing"
+
+    def __init__(self, bad=(), overflow=()):
+        super().__init__(bad)
+        self.overflow = overflow
+        # Small enough that no float16 gradient overflows but the injected ones.
+        self.inputs, self.labels = self.inputs * 1e-2, self.labels * 1e-2
+
+    def yield_batch(self):
+        index = self.index
+        spec, inputs, labels = super().yield_batch()
+        flag = np.full((BATCH_SIZE,), 1.0 if index in self.overflow else 0.0, np.float32)
+        return spec, [inputs[0], flag], labels
+
+
+def make_dynamic_loop(tmp_path):
+    def model_fn(ctx, spec, inputs):
+        return nn.Dense(1)(overflow_gradient_if(nn.Dense(4)(inputs[0]), inputs[1]))
+
+    trainer = loopax.Trainer(
+        model_fn,
+        loopax.losses.mean_squared_error,
+        loopax.optimizers.sgd(0.01),
+        devices=jax.devices()[:1],
+        compute_dtype=jnp.float16,
+        loss_scale="dynamic",
+    )
+    loop = loopax.Loop(trainer)
+    hooks.checkpoint(loop, tmp_path / "ckpt", every_n_steps=5)
+    hooks.metrics_log(loop, tmp_path / "log.jsonl", every_n_steps=1)
+    return loop
+
+
+def test_overflow_skips_of_a_dynamic_loss_scale_never_roll_back(tmp_path):
+    loop = make_dynamic_loop(tmp_path)
+    guard = hooks.nan_guard(loop, max_skips=2)
+    # Four overflows in a row, as when training starts at a scale too high for the model.
+    loop.run_steps(OverflowingDataset(overflow={6, 7, 8, 9}), 30)
+    assert guard.rollbacks == 0 and guard.skipped_steps == []
+    history = loop.history
+    # Reported apart: skipped, and counted as overflows; the scale halved four times.
+    assert dict(history["train/skipped_steps"])[30] == 4
+    assert dict(history["train/overflow_steps"])[30] == 4
+    assert [count for _, count in history["train/overflow_steps"]][5:11] == [0, 1, 2, 3, 4, 4]
+    scales = dict(history["train/loss_scale"])
+    assert scales[10] == scales[6] / 16
+    assert loop.trainer.global_step == 30 and finite(loop.trainer.params)
+
+
+def test_non_finite_losses_still_roll_back_under_a_dynamic_loss_scale(tmp_path):
+    loop = make_dynamic_loop(tmp_path)
+    guard = hooks.nan_guard(loop, max_skips=2, lr_factor=1.0)
+    loop.run_steps(OverflowingDataset(bad={12, 13}, overflow={3, 4, 5}), 30)
+    # The overflows (loop steps 3-5) are routine; the NaN batches (12, 13) are a streak.
+    assert guard.skipped_steps == [12, 13] and guard.rolled_back_to == [10]
+    assert dict(loop.history["train/overflow_steps"])[30] == 3
+    assert loop.trainer.global_step == 30 and finite(loop.trainer.params)
+
+
+def test_a_gradient_still_not_finite_at_the_smallest_scale_is_not_an_overflow(tmp_path):
+    loop = make_dynamic_loop(tmp_path)
+    guard = hooks.nan_guard(loop, max_skips=3, max_rollbacks=1, lr_factor=1.0)
+    # The gradient overflows at every scale: 15 halvings reach the smallest scale (1),
+    # where the skips count as non-finite, and their streak rolls back, then stops.
+    with pytest.raises(loopax.NonFiniteLossError, match=r"after 1 rollback\(s\)"):
+        loop.run_steps(OverflowingDataset(overflow=From(2)), 80)
+    assert guard.rollbacks == 1
+    # Loop steps 2-16 overflowed at the scales 2**15 down to 2; from 17 on, at 1, they count.
+    assert guard.skipped_steps[:3] == [17, 18, 19]
+    assert dict(loop.history["train/overflow_steps"])[15] == 13

@@ -1,13 +1,22 @@
 """SIGINT and SIGTERM during a run, in real subprocesses: one clean line, a saved checkpoint,
-and a rerun that resumes exactly; a second signal exits at once without a broken checkpoint."""
+and a rerun that resumes exactly; a second signal exits at once without a broken checkpoint.
+In this process: the end of a run a signal stopped writes no end-of-run points."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import flax.linen as nn
+import jax
 import numpy as np
+import optax
 import pytest
+
+import loopax
+from loopax import hooks
 
 WORKER = Path(__file__).parent.parent / "hooks" / "checkpoint_worker.py"
 
@@ -85,3 +94,63 @@ def test_without_a_checkpoint_the_line_says_nothing_was_saved(tmp_path):
     assert interrupted.stderr == (
         "interrupted at step 4; no checkpoint hook is attached, so nothing was saved\n"
     )
+
+
+# -- in this process: what the end of a run a signal stopped writes --------------------------
+
+
+def _signal_at(global_step):
+    """A hook that sends this process SIGTERM after `global_step`'s other hooks."""
+
+    def send(loop, metrics):
+        if loop.trainer.global_step == global_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return send
+
+
+def _run_with_logs(tmp_path, stop_at, steps=10):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are only installed in the main thread")
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    train = loopax.ArrayDataset(x, x[:, :1], batch_size=4, loop_forever=True)
+    test = loopax.ArrayDataset(x, x[:, :1], batch_size=4, name="test", shuffle=False)
+    trainer = loopax.Trainer(
+        lambda ctx, spec, inputs: nn.Dense(1)(inputs[0]),
+        loopax.losses.mean_squared_error,
+        optax.sgd(0.1),
+        devices=jax.devices()[:1],
+    )
+    loop = loopax.Loop(trainer)
+    hooks.evaluate(loop, test, every_n_steps=4)
+    log = hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=2, learning_rate=False)
+    ended = []
+    hooks.every_n_steps(loop, 4, "every 4", lambda loop, m: None)
+    hooks.periodic_callback(
+        loop, 3600, "at the end", lambda loop, m: ended.append("callback"), call_on_end=True
+    )
+    loop.on_end("seen", lambda loop, m: ended.append(loop.interrupted))
+    loop.on_step("signal", _signal_at(stop_at), loopax.Priority.UI + 1)
+    with pytest.raises(SystemExit) as exited:
+        loop.run_steps(train, steps)
+    assert exited.value.code == 128 + signal.SIGTERM
+    return loop, sorted({point["step"] for point in log.file.read()}), ended
+
+
+def test_a_run_a_signal_stops_early_writes_no_end_of_run_points(tmp_path):
+    loop, logged, ended = _run_with_logs(tmp_path, stop_at=7)
+    assert loop.interrupted and loop.trainer.global_step == 7
+    # What an uninterrupted run writes by step 7 and nothing more: no last evaluation, no
+    # last train point, no call_on_end callback at step 7; its resumed run ends it.
+    assert logged == [2, 4, 6]
+    assert [step for step, _ in loop.history["eval/test/mean_loss"]] == [4]
+    assert ended == [True]
+
+
+def test_a_signal_in_the_last_step_leaves_the_run_complete(tmp_path):
+    loop, logged, ended = _run_with_logs(tmp_path, stop_at=10)
+    assert not loop.interrupted and loop.trainer.global_step == 10
+    # The run reached its end: it ends as without the signal (the process still exits).
+    assert logged == [2, 4, 6, 8, 10]
+    assert [step for step, _ in loop.history["eval/test/mean_loss"]] == [4, 8, 10]
+    assert ended == ["callback", False]

@@ -86,6 +86,17 @@ def test_the_same_seed_keeps_the_same_sample():
     assert not np.array_equal(feed(first, [values]).samples, feed(other, [values]).samples)
 
 
+def test_the_same_seed_keeps_the_same_sample_whatever_the_chunking():
+    # The trainer folds values in when they are read: a resumed run reads at other steps.
+    values = np.random.default_rng(5).normal(size=300)
+    median = metrics.StreamingMedian("m", lambda y, p: p[0], sample_size=16, seed=2)
+    whole = feed(median, [values])
+    for chunks in (np.split(values, 30), [values[:7], values[7:200], values[200:]]):
+        state = feed(median, chunks)
+        np.testing.assert_array_equal(state.samples, whole.samples)
+        assert median.compute_host(state) == median.compute_host(whole)
+
+
 def test_init_host_starts_empty_each_time():
     median = metrics.StreamingMedian("m", lambda y, p: p[0], sample_size=5)
     feed(median, [np.arange(9.0)])
@@ -172,3 +183,52 @@ def test_is_host_metric_names_what_a_partial_host_metric_lacks():
         is_host_metric(Partial())
     assert not is_host_metric(metrics.Mean("mean", lambda y, p: p[0]))
     assert is_host_metric(metrics.StreamingMedian("median", lambda y, p: p[0]))
+
+
+def test_the_sample_saved_as_json_goes_on_exactly_as_the_unsaved_one():
+    import json
+
+    median = metrics.StreamingMedian("median", lambda y, p: p[0], sample_size=16, seed=4)
+    rng = np.random.default_rng(0)
+    chunks = [rng.lognormal(size=size) for size in (7, 20, 3, 30)]
+    state = feed(median, chunks[:2])  # full: the generator picks what the rest replaces
+    saved = json.loads(json.dumps(median.host_state_dict(state)))  # as a checkpoint keeps it
+    assert saved["count"] == 16 and saved["seen"] == 27
+    loaded = median.load_host_state_dict(saved)
+    for chunk in chunks[2:]:
+        state = median.update_host(state, chunk)
+        loaded = median.update_host(loaded, chunk)
+    np.testing.assert_array_equal(loaded.samples[: loaded.count], state.samples[: state.count])
+    assert (loaded.count, loaded.seen) == (state.count, state.seen)
+    assert median.compute_host(loaded) == median.compute_host(state)
+
+
+def test_a_sample_larger_than_sample_size_does_not_load():
+    saved = metrics.StreamingMedian("median", lambda y, p: p[0], sample_size=16).host_state_dict(
+        feed(metrics.StreamingMedian("median", lambda y, p: p[0], sample_size=16), [np.ones(20)])
+    )
+    smaller = metrics.StreamingMedian("median", lambda y, p: p[0], sample_size=8)
+    with pytest.raises(ValueError, match="saved sample holds 16 values.*sample_size is 8"):
+        smaller.load_host_state_dict(saved)
+
+
+def test_a_host_metric_keeps_no_state_for_checkpoints_by_default():
+    class MaxValue(metrics.HostMetric):
+        name, short_name = "max", "max"
+
+        def device_values(self, labels, predictions):
+            return predictions[0]
+
+        def init_host(self):
+            return float("-inf")
+
+        def update_host(self, state, values):
+            return max(state, float(np.max(values)))
+
+        def compute_host(self, state):
+            return state
+
+    metric = MaxValue()
+    assert metric.host_state_dict(3.0) is None
+    with pytest.raises(NotImplementedError, match="load_host_state_dict"):
+        metric.load_host_state_dict({})

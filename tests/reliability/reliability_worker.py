@@ -26,6 +26,9 @@ RUN_DIR/history.json. Rerun in the same RUN_DIR, it resumes.
                        points file
   after-run:S          after `run_to_step` returned (S is ignored), before the outputs are
                        written
+  sigterm-at-step:S    SIGTERM instead of SIGKILL, after every hook of step S: the run ends
+  sigint-at-step:S     there as for Ctrl-C (SIGINT): an end-of-run save, then exit status
+                       128 + the signal's number
 """
 
 import argparse
@@ -54,7 +57,10 @@ KILL_POINTS = (
     "metrics-log-write",
     "plot-write",
     "after-run",
+    "sigterm-at-step",
+    "sigint-at-step",
 )
+SIGNALS = {"sigterm-at-step": signal.SIGTERM, "sigint-at-step": signal.SIGINT}
 
 
 def model_fn(ctx, spec, inputs):
@@ -195,6 +201,13 @@ def main():
             "kill",
             lambda lp, m: trainer.global_step == step + 1 and kill_self(),
             loopax.Priority.VALIDATE - 1,
+        )
+    elif point in SIGNALS:
+        signum = SIGNALS[point]
+        loop.on_step(
+            "signal",
+            lambda lp, m: trainer.global_step == step and os.kill(os.getpid(), signum),
+            loopax.Priority.UI + 1,
         )
     elif point == "in-eval":
         patch_evaluation(test, trainer, step)

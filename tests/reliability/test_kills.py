@@ -1,7 +1,8 @@
 """The kill matrix: a training run with every persistent hook is SIGKILLed at many points, in
 real subprocesses, and rerun in the same directory until it completes. The result must be
 the uninterrupted run's, bit for bit: the final parameters, the TensorBoard scalars (read with
-TensorBoard's own reader), the metrics_log CSV, the plot's points and `loop.history`.
+TensorBoard's own reader), the metrics_log CSV, the plot's points and `loop.history`. So must
+it after SIGTERM or SIGINT (Ctrl-C), which end the run cleanly at the step they come in.
 
 The uninterrupted reference and every scenario run once per test session, 3 processes at a
 time (the compiled steps are shared through JAX's disk cache); with pytest-xdist, the first
@@ -51,13 +52,34 @@ SCENARIOS = {
     "between the last periodic save and the end": (["at-step:27"], {20, 25}, set()),
     "inside the commit of the end-of-run save": (["in-commit:32"], {30}, {"30", f"32{TMP}"}),
     "right after the commit of the end-of-run save": (["after-commit:32"], {32}, {"30", "32"}),
-    "after the run, before the program wrote its results": (["after-run:32"], {32}, {"30", "32"}),
+    # The run returns while its end-of-run save commits in the background: a kill right
+    # then may cut the save off (the rerun resumes from 30 and runs the last 2 steps again).
+    "after the run, before the program wrote its results": (["after-run:32"], {30, 32}, {"30"}),
     "twice, inside a commit then during an evaluation": (
         ["in-commit:20", "in-eval:24"],
         {15, 20},
         set(),
     ),
+    # A signal ends the run after its step, saved: the end of the run does not write the
+    # last points (evaluation, train scalars) an uninterrupted run never writes there.
+    "SIGTERM between evaluations and logs": (["sigterm-at-step:7"], {7}, {"5", "7"}),
+    "SIGINT between evaluations and logs": (["sigint-at-step:13"], {13}, {"10", "13"}),
+    "SIGTERM at a step that saves and evaluates": (["sigterm-at-step:20"], {20}, {"15", "20"}),
+    "SIGTERM, then SIGKILL after the next save": (
+        ["sigterm-at-step:11", "at-step:16"],
+        {11, 15},
+        set(),
+    ),
 }
+# The exit status of a run stopped at a kill point: SIGKILL, or 128 + the signal's number
+# for the points that send SIGTERM or SIGINT (the run ends cleanly there).
+EXIT_STATUS = {"sigterm-at-step": 128 + signal.SIGTERM, "sigint-at-step": 128 + signal.SIGINT}
+
+
+def exit_status(kill):
+    return EXIT_STATUS.get(kill.partition(":")[0], -signal.SIGKILL)
+
+
 REFERENCE = "uninterrupted"
 MOVING_AVERAGES = ("train/moving_average_loss", "train/Moving Average Accuracy")
 
@@ -93,7 +115,7 @@ def run_sequence(run_dir, kills, env):
                 "checkpoints": sorted(os.listdir(checkpoints)) if checkpoints.is_dir() else [],
             }
         )
-        if kill is not None and done.returncode != -signal.SIGKILL:
+        if kill is not None and done.returncode != exit_status(kill):
             break  # the kill did not come: what follows would test nothing
     return runs
 
@@ -208,7 +230,7 @@ def test_killed_then_resumed_run_has_the_uninterrupted_parameters(matrix, refere
     runs = matrix[scenario]["runs"]
     assert [run["kill"] for run in runs] == [*kills, None], describe(runs)
     for run in runs[:-1]:
-        assert run["returncode"] == -signal.SIGKILL, describe(runs)
+        assert run["returncode"] == exit_status(run["kill"]), describe(runs)
     assert left_after_kill <= set(runs[-2]["checkpoints"]), describe(runs)
     final = runs[-1]
     assert final["returncode"] == 0, describe(runs)

@@ -25,9 +25,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import math
 import os
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,16 +33,16 @@ from typing import Any
 import jax
 
 from ... import _validate, _warnings
-from ...loop import Loop, NonFiniteLossError
+from ...loop import Loop
 from ...trainer import Trainer
-from .._metric_info import split_eval_key
+from ._active import take_over
+from ._checks import best_metric_value
 from ._checks import check_best_metric as _check_best_metric
-from ._coordination import DEFAULT_TIMEOUT_SECONDS, Coordination
-from ._format import BUNDLE_ITEM as _BUNDLE_ITEM
-from ._format import STATE_ITEM as _STATE_ITEM
+from ._commit import commit
+from ._coordination import DEFAULT_TIMEOUT_SECONDS, Coordination, CoordinationError
 from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
-from ._format import make_bundle, named_train_metrics, positions_for, with_positions
+from ._format import make_bundle, named_train_metrics, positions_for
 from ._io import (
     open_manager,
     read_agreed,
@@ -53,14 +51,11 @@ from ._io import (
     set_aside_entries,
 )
 from ._positions import apply_positions, dataset_states
-from ._snapshot import Snapshot, check, local_part, take
+from ._snapshot import Snapshot, take
 from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
 
 _logger = logging.getLogger(__name__)
 
-# The newest Checkpointer of each directory in this process: a new one waits for the saves
-# the old one has in flight (Orbax's start-up clean-up would delete them).
-_ACTIVE: dict[Path, weakref.ref] = {}
 CHECKPOINTERS = "checkpointers"  # `loop.shared_data` key: the Checkpointers attached to it
 # Numbers the Checkpointers of this process; every process attaches the same hooks in the
 # same order, so the number names one Checkpointer's exchanges on every process.
@@ -134,12 +129,8 @@ class Checkpointer:
         self._writer = BackgroundWriter(
             str(self.directory), in_background=async_save, on_failure=loop.report_error
         )
-        previous = _ACTIVE.get(self.directory)
-        previous = previous() if previous is not None else None
-        if previous is not None:
-            previous.wait_quietly()
-            leftovers = _incomplete_saves(self.directory)  # its saves are done now
-        _ACTIVE[self.directory] = weakref.ref(self)
+        if take_over(self.directory, self):
+            leftovers = _incomplete_saves(self.directory)  # the previous one's saves are done
         if leftovers and jax.process_index() == 0:
             _warnings.warn(
                 f"{str(self.directory)!r} holds {len(leftovers)} incomplete save(s) {leftovers}: "
@@ -162,12 +153,21 @@ class Checkpointer:
         )
         wait_at_exit(self.wait_quietly)
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
-        loop.shared_data.setdefault(CHECKPOINTERS, []).append(self)
+        checkpointers = loop.shared_data.setdefault(CHECKPOINTERS, [])
+        if not checkpointers and self.trainer.host_metric_states:
+            # Saved with the loop's state, so a resumed run goes on with its medians.
+            loop.add_state("trainer: host metrics", self.trainer.host_metric_states)
+        checkpointers.append(self)
 
     # -- queries ------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """The steps of the checkpoints on disk, ascending (in-flight saves included)."""
+        """The steps of the checkpoints on disk, ascending, once the saves in flight are done.
+
+        Raises:
+          BackgroundSaveError: a save in flight failed (as `wait`).
+        """
+        self.wait()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -225,18 +225,6 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def _best_value(self, step: int) -> float | None:
-        if self.best_metric is None:
-            return None
-        value = self.loop.history.value_at(self.best_metric, step)
-        if value is None and split_eval_key(self.trainer, self.best_metric) is None:
-            metric = self.best_metric.split("/", 1)[1]
-            if self.loop.metrics and self.trainer.global_step == step:
-                value = self.loop.host_metrics().get(metric)
-        if value is None or not math.isfinite(value):
-            return None
-        return float(value)
-
     def save(self, metrics: dict[str, Any] | None = None) -> int | None:
         """Saves the current state at `trainer.global_step`, asynchronously.
 
@@ -289,7 +277,7 @@ class Checkpointer:
             return
         step, snapshot, datasets = pending
         flushed = self.loop.flush()
-        best_value = self._best_value(step)
+        best_value = best_metric_value(self.loop, self.best_metric, step)
         bundle = make_bundle(
             step,
             num_devices=self.trainer.num_devices,
@@ -310,39 +298,10 @@ class Checkpointer:
         flushed: Callable[[], None],
     ) -> None:
         """The background thread: waits for the logs, verifies, fingerprints and commits."""
-        flushed()
-        # Every process's dataset positions and its part of the device checks, on every
-        # process: they all decide alike whether the state is fit to save.
-        coordination = self.coordination
-        every = coordination.all_gather(
-            f"save{save}",
-            {"datasets": bundle["datasets"], **local_part(snapshot)},
-            f"the dataset positions and array checks of checkpoint {step}",
-        )
-        fingerprints, bad = check(snapshot, every)
-        if bad is not None:
-            raise NonFiniteLossError(
-                f"refused to save checkpoint {step}: {bad!r} holds NaN or infinite values; the "
-                "newest good checkpoint is kept"
-            )
-        bundle = with_positions(bundle, [part["datasets"] for part in every])
-        bundle["fingerprints"] = fingerprints
-        # Everyone is here and alive before Orbax's own barriers (their timeout is Orbax's).
-        coordination.barrier(f"save{save}/start", f"the save of checkpoint {step}")
-        coordination.forget(f"save{save}")  # every process has read every part now
-        ocp = self._ocp
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    _STATE_ITEM: ocp.args.StandardSave(snapshot.plain),
-                    _BUNDLE_ITEM: ocp.args.JsonSave(bundle),
-                }
-            ),
-            metrics=None if best_value is None else {self.best_metric: best_value},
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        metric = self.best_metric
+        best = None if best_value is None or metric is None else {metric: best_value}
+        commit(self._manager, self._ocp, self.coordination, save, step, snapshot, bundle, best,
+               flushed)  # fmt: skip
         if self._best_values is not None and best_value is not None:
             self._best_values[step] = best_value
         self.loop.checkpointed_step = step
@@ -478,20 +437,52 @@ class Checkpointer:
         self.save()
 
     def on_end(self, loop: Loop, metrics: Any) -> None:
-        """OnEnd: saves the last step, then waits for the saves once every OnEnd hook ran.
+        """OnEnd: saves the last step; the run returns while the save finishes in the background.
 
-        The wait comes after the other OnEnd hooks wrote their last points (and the commit
-        ran), so a run ends with its checkpoints and logs on disk.
+        The arrays are copied off the device here, and the commit starts once every OnEnd
+        hook wrote its last points, so the run returns with the state safe in memory and its
+        save under way; the next save, a restore, `wait()`, a new hook on the directory,
+        `loopax.load_params` and the interpreter's exit wait for it, and a failure raises at
+        the next step or run. A run stopped early (`request_stop`: a signal, a time limit,
+        early stopping) waits for the save, since the program usually ends there (and the
+        line an interrupted run ends with names the saved step); so does a run on several
+        processes, whose save every process must reach before they part (one that died is
+        named at once).
         """
         if self.trainer.state is not None:
             self.save()
-        # After the other OnEnd hooks wrote their last points (and the commit ran).
-        loop.call_after_hooks(self.wait)
+        if loop.stop_reason is not None or not self.coordination.single:
+            loop.call_after_hooks(self.wait)  # after the commit, which the save deferred
 
     def on_error(self, loop: Loop, error: BaseException) -> None:
-        """OnError: drops a save not yet committed and waits for the saves in flight."""
+        """OnError: commits a save the failing step took, then waits for the saves in flight.
+
+        A save is taken once its step's state is complete and every loss so far was checked
+        finite, so a later hook of that step raising does not lose it (nor does an OnEnd
+        hook raising lose the end-of-run save): it commits as it would have, after the logs
+        of its step, unless the run is being torn down (KeyboardInterrupt, SystemExit) or
+        another process stopped answering. A commit that fails here is logged; the run's
+        error is the one raised.
+        """
+        pending = self._pending_save
+        if pending is not None and isinstance(error, Exception):
+            if isinstance(error, CoordinationError):
+                self._pending_save = None  # the other processes would never join its commit
+            else:
+                try:
+                    self._commit()
+                except Exception as failure:  # noqa: BLE001 - the run's error is the one raised
+                    self._pending_save = None
+                    _logger.warning(
+                        "the save of checkpoint %d, taken before the error, could not be "
+                        "committed: %s: %s",
+                        pending[0],
+                        type(failure).__name__,
+                        failure,
+                    )
         self._pending_save = None
         self.wait_quietly()
 
     def __repr__(self) -> str:
-        return f"Checkpointer({str(self.directory)!r}, steps={self.all_steps()})"
+        # The steps on disk now: a repr never waits (nor raises a save's failure).
+        return f"Checkpointer({str(self.directory)!r}, steps={sorted(self._manager.all_steps())})"

@@ -1,8 +1,12 @@
-"""Argument checks of the checkpoint hook: invalid configuration raises at attach time."""
+"""The checkpoint hook's best metric: checked at attach time, read for each save."""
 
 from __future__ import annotations
 
+import math
+
+from ...loop import Loop
 from ...trainer import Trainer
+from .._metric_info import split_eval_key
 
 
 def check_best_metric(best_metric: str | None, best_mode: str, trainer: Trainer) -> None:
@@ -25,3 +29,22 @@ def check_best_metric(best_metric: str | None, best_mode: str, trainer: Trainer)
         f"best_metric must be 'train/<metric>' (e.g. 'train/loss') or "
         f"'eval/<dataset>/<metric>' (e.g. 'eval/test/mean_loss'), got {best_metric!r}"
     )
+
+
+def best_metric_value(loop: Loop, best_metric: str | None, step: int) -> float | None:
+    """The value of `best_metric` that ranks the save of global step `step`, or None.
+
+    An evaluation's, or a train metric's, from `loop.history` at that step; a train metric
+    no writer logged there is read from the step's metrics. None when there is none, or it
+    is not finite (such a save counts only for `keep` and `keep_period`).
+    """
+    if best_metric is None:
+        return None
+    value = loop.history.value_at(best_metric, step)
+    if value is None and split_eval_key(loop.trainer, best_metric) is None:
+        metric = best_metric.split("/", 1)[1]
+        if loop.metrics and loop.trainer.global_step == step:
+            value = loop.host_metrics().get(metric)
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)

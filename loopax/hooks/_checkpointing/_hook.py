@@ -48,11 +48,15 @@ def checkpoint(
     are atomic: a save cut off by a crash is never taken for a checkpoint. A save waits for
     every loss so far to be checked finite and refuses a state holding NaN or infinity; the
     logs (TensorBoard, metrics_log, plot) of its step are on disk before it commits. The hook
-    saves on its triggers and at the end of every run (an interrupted run included), waits
-    for in-flight saves at the end of each run, when a run raises, and at interpreter exit,
-    and keeps the newest `keep` checkpoints plus the `keep_best` best by `best_metric` plus
-    every step that is a multiple of `keep_period`. A failed background save (a read-only
-    directory, a full disk) raises at the next step.
+    saves on its triggers and at the end of every run (an interrupted run included), and
+    keeps the newest `keep` checkpoints plus the `keep_best` best by `best_metric` plus every
+    step that is a multiple of `keep_period`. A run returns once its end-of-run save is
+    copied off the device; the next save, a restore, `all_steps()`, `wait()`, a new hook on
+    the directory, `loopax.load_params` and the interpreter's exit wait for its commit (a
+    run stopped early, or on several processes, waits itself). A run that raises waits for
+    the saves in flight, and commits a save its failing step had taken. A failed background
+    save (a read-only directory, a full disk) raises at the next step or run. The loop's
+    host metrics (`metrics.median_loss`) are saved with the loop's state.
 
     Several processes (after `jax.distributed.initialize`): attach the hook in every process,
     with the same arguments. Each process saves its own shards of the state in the
