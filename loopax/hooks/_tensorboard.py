@@ -151,6 +151,8 @@ class TensorBoardWriter(MetricWriter):
         self._handoff_due = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self._open_error: BaseException | None = None
+        self._open_error_reported = False
         self._thread: threading.Thread | None = None
         self._writer: Any = None
         self._closed = False
@@ -158,16 +160,9 @@ class TensorBoardWriter(MetricWriter):
     # -- caller's side --------------------------------------------------------------------
 
     def _start(self) -> None:
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-        # TensorBoard annotates flush_secs as int, but only compares times with it: a float works.
-        self._writer = EventFileWriter(
-            self.logdir,
-            # Its own writer thread takes the events through a queue; at TensorBoard's default
-            # of 10 a batch of writes waits on that thread at every 10th event (3 ms for 32).
-            max_queue_size=_EVENT_QUEUE_SIZE,
-            flush_secs=self._flush_seconds,  # pyright: ignore[reportArgumentType]
-        )
+        # The writer thread imports TensorBoard's writer and opens the event file: ~0.1 s
+        # that the first step of a run (a resumed one's first write is at its start) need
+        # not wait for. A failure there is raised at the next write or flush.
         self._thread = threading.Thread(target=self._work, name="loopax-tensorboard", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -193,8 +188,11 @@ class TensorBoardWriter(MetricWriter):
             self._queue.put(("batch", items))
 
     def _raise_worker_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        # An event file that could not be opened fails every later write too.
+        error = self._error or self._open_error
+        if error is not None:
+            self._error = None
+            self._open_error_reported = error is self._open_error
             raise RuntimeError(
                 f"writing TensorBoard events to {self.logdir!r} failed: "
                 f"{type(error).__name__}: {error}"
@@ -247,8 +245,8 @@ class TensorBoardWriter(MetricWriter):
 
     def close(self) -> None:
         """Flushes and closes the event file; further writes raise."""
-        if self._thread is None or self._closed:
-            self._closed = True
+        if self._thread is None or self._closed or self._open_error_reported:
+            self._closed = True  # (a file never opened, and said so: nothing to close)
             return
         self.flush()
         self._closed = True
@@ -258,20 +256,42 @@ class TensorBoardWriter(MetricWriter):
 
     # -- writer thread --------------------------------------------------------------------
 
-    def _work(self) -> None:
-        from tensorboard.compat.proto import event_pb2
+    def _open(self) -> tuple[Any, Any]:
+        """Writer thread: TensorBoard's event protos and the event file's writer.
 
+        `(None, None)` when they could not be had (the error is kept for the loop).
+        """
+        try:
+            from tensorboard.compat.proto import event_pb2
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            return event_pb2, EventFileWriter(
+                self.logdir,
+                # Its own writer thread takes the events through a queue; at TensorBoard's
+                # default of 10 a batch of writes waits on that thread at every 10th event.
+                max_queue_size=_EVENT_QUEUE_SIZE,
+                # Annotated as int, but only compared with times: a float works.
+                flush_secs=self._flush_seconds,  # pyright: ignore[reportArgumentType]
+            )
+        except BaseException as err:  # reported to the loop at its next write, and after
+            self._open_error = err
+            return None, None
+
+    def _work(self) -> None:
+        event_pb2, self._writer = self._open()
         while True:
             kind, payload = self._queue.get()
             try:
                 if kind == "batch":
                     self._write(event_pb2, payload)
                 elif kind == "close":
-                    self._writer.close()
+                    if self._writer is not None:
+                        self._writer.close()
                     return
                 elif kind == "flush":
                     try:
-                        self._writer.flush()
+                        if self._writer is not None:
+                            self._writer.flush()
                     except BaseException as err:
                         self._error = err
                     payload.set()
@@ -280,7 +300,7 @@ class TensorBoardWriter(MetricWriter):
 
     def _write(self, event_pb2: Any, items: list[tuple[str, int, Any]]) -> None:
         """Writer thread: reads a batch's device values at once, then writes its events."""
-        if self._error is not None:
+        if self._error is not None or self._writer is None:
             return
         builders: dict[str, Callable[[Any], Any]] = {
             "scalars": _scalar_summary,

@@ -221,3 +221,20 @@ def test_hooks_read_the_device_only_on_the_steps_they_fire(tmp_path, monkeypatch
     # their losses and hands the writers the train metrics they asked for at steps 6 and 7.
     # No other step reads anything: the writers never make the loop wait.
     assert sorted(set(reads)) == [0, 6, 12]
+
+
+def test_an_event_file_that_cannot_be_opened_fails_the_run_naming_the_logdir(tmp_path):
+    # The writer thread opens the event file (off the first step's path): its failure still
+    # reaches the run, at a write or at the run's end.
+    (tmp_path / "file").write_text("")
+    logdir = tmp_path / "file" / "tb"
+    loop = loopax.Loop(make_trainer())
+    hooks.tensorboard(loop, logdir)
+    # At a write (a HookError naming the hook) or at the run's end flush (the error itself).
+    with pytest.raises(RuntimeError) as raised:
+        loop.run_steps(make_data(loop_forever=True), 3)
+    assert f"writing TensorBoard events to {str(logdir)!r} failed: NotADirectoryError" in str(
+        raised.value
+    )
+    with pytest.raises(RuntimeError, match="NotADirectoryError"):  # and at every later write
+        loop.run_steps(make_data(loop_forever=True), 3)
