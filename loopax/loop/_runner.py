@@ -11,7 +11,7 @@ from typing import Any
 from .. import _validate, _warnings
 from ..data._datasets import BadBatchError, Dataset, shown_name
 from ..data._iterables import RunIterable, check_restartable
-from ..data._reader import StepReader, power_of_two_at_most
+from ..data._reader import Dispatch, StepReader, group_sizes, power_of_two_at_most
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
 from ._finite import FiniteChecker
@@ -375,6 +375,8 @@ class Runner:
         record_duration = self._durations.append
         clock = time.perf_counter
         agreement = self._agreement
+        ahead_cut = -1  # where the group sizes compiled ahead were last asked up to
+        asked: set[int] = set()  # the group sizes compiled or asked for in this call
         while True:
             indicator = self._finite.indicator
             if agreement is not None:  # several processes: not past a stop they agreed on
@@ -382,13 +384,11 @@ class Runner:
             while self.loop_step < stop_step and not self.stop_requested:
                 started = clock()
                 first = self.loop_step
+                # A group ends at the run's stop or after the next step a hook fires at.
+                cut = min(stop_step, hooks.exact_wake_step + 1)
                 try:
                     dispatches, ended = read(
-                        1
-                        if one_step
-                        else power_of_two_at_most(
-                            max(min(most, stop_step - first, hooks.exact_wake_step - first + 1), 1)
-                        )
+                        1 if one_step else power_of_two_at_most(max(min(most, cut - first), 1))
                     )
                 except StopIteration:
                     return True
@@ -403,6 +403,9 @@ class Runner:
                     metrics, _ = run(dispatches[0])
                     last, count = first, 1
                 else:
+                    if cut != ahead_cut:  # the first group up to this cut
+                        ahead_cut = cut
+                        self._compile_ahead(dispatches, cut - first, asked)
                     parts = []
                     last = first - 1
                     for dispatch in dispatches:
@@ -441,6 +444,19 @@ class Runner:
             # Several processes: a stop asked, not at its agreed step yet, goes on to it.
             if agreement is None or self._stops_here() or self.loop_step >= stop_step:
                 return False
+
+    def _compile_ahead(self, dispatches: list[Dispatch], steps: int, asked: set[int]) -> None:
+        """Has the trainer compile the group sizes of the next `steps` steps in the background.
+
+        Those not compiled or asked for yet (`asked`, updated), nor read now: `dispatches`
+        compile here as they run, beside the others.
+        """
+        sizes = group_sizes(steps, self._most)
+        now = {dispatch.count for dispatch in dispatches}
+        wanted = sizes - asked - now
+        asked |= sizes | now
+        if wanted:
+            self._trainer.compile_ahead(dispatches[0], sorted(wanted, reverse=True))
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
