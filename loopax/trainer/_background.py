@@ -24,9 +24,10 @@ _lock = threading.Lock()
 
 
 def _workers() -> int:
-    # XLA spreads one compilation over a few threads already: one worker per two cores
-    # leaves the training thread its share; more than 4 rarely have work.
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    # A core for the training thread, the others for compiling: the training thread waits
+    # for the programs it needs next, so a worker more than the cores left only competes.
+    # More than 4 rarely have work (log2(K) sizes and the state's creation).
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
 def submit(job: Callable[[], T]) -> concurrent.futures.Future[T]:
