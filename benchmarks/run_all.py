@@ -26,7 +26,11 @@ compiling the 32-step program against the one-step program. The fsdp section (is
 `bench_fsdp.py`), on 4 simulated devices: loopax `mesh={"data": 4}, fsdp=True` against a
 hand-written `jax.jit` step with the same shardings (target >= 0.97), and the per-device
 state bytes under FSDP against total/4 (target <= 1.01) for the README's network and a
-50M-parameter MLP.
+50M-parameter MLP. The lm section (issue 25, `bench_lm.py`): the character transformer of
+`examples/transformer_lm.py` (2 layers, width 128, context 64, batch 32) in tokens/s against
+a hand-written `jax.jit` step: a hand-written `lax.scan` of 8 steps, loopax per step and fused
+with K=8 on on-device data, and bfloat16 on both sides; then, one fresh process per candidate
+with the compilation caches off, the seconds a run waits for compiling and its peak memory.
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -62,7 +66,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,fsdp] [--rounds N]
+       [--only tiny,medium,devices,keras,accumulate,fused,fsdp,lm] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -85,7 +89,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp")
+SECTIONS = ("tiny", "medium", "devices", "keras", "accumulate", "fused", "fsdp", "lm")
 DEVICE_COUNT = 4
 
 # Steps per round: full run / --quick. Multiples of 32 so that Keras with
@@ -703,8 +707,9 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
-        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, fsdp "
-        "(keras alone runs the Keras rows on both workloads; fused: issue 15's rows)",
+        help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
+        "fsdp, lm (keras alone runs the Keras rows on both workloads; fused: issue 15's rows; "
+        "lm: the transformer LM of examples/transformer_lm.py)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
@@ -745,6 +750,12 @@ def main() -> None:
         import bench_fsdp  # noqa: PLC0415
 
         sections += bench_fsdp.sections(args)
+    if "lm" in only:
+        import bench_lm  # noqa: PLC0415
+
+        progress("lm: starting")
+        lm = bench_lm.sections(args.quick, args.rounds, on_round=round_progress("lm"))
+        sections += [("lm", section) for section in lm]
     print_table(sections, started, load_before)
 
 
