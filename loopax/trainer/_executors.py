@@ -25,7 +25,9 @@ class ExecInfo:
       spec: the dataset spec the executable was compiled for.
       input_shapes, input_dtypes, label_shapes, label_dtypes: the global batch's
         shapes and dtype names.
-      compile_seconds: wall time of tracing, lowering and compiling.
+      compile_seconds: wall time of tracing, lowering and compiling (a program compiled in
+        the background: its tracing and lowering on the training thread and its compiling
+        on the background thread, which may overlap with training).
       flops: XLA's cost analysis of one call, summed over the devices, or None when the
         backend gives none (XLA counts a loop's body once: a fused program's is about one
         step's).
