@@ -159,6 +159,16 @@ class StateCreator:
         """Forgets a creation underway (the step bodies changed: it starts again)."""
         self.pending = None
 
+    def abandon(self) -> None:
+        """After a failure: waits for a creation's compiling to end, and forgets it.
+
+        Nothing the failed call started goes on behind the error (its result is not
+        needed: the next program compiled starts the creation again).
+        """
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending.compiled])
+
     def _start(self, steps: StepBuilder, spec: Any, inputs: list[Any]) -> PendingState:
         model = self._model
         init_params = model.init_params

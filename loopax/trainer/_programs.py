@@ -194,9 +194,17 @@ class Programs:
         program, (inputs, labels), chunk = _program_of(dispatch)
         source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))
-        self._creator.prepare(
-            self.steps, dispatch.spec, lambda: program.model_inputs(strategy, source, leading)
-        )
+        try:
+            self._creator.prepare(
+                self.steps, dispatch.spec, lambda: program.model_inputs(strategy, source, leading)
+            )
+            self._prepare(dispatch, counts)
+        except BaseException:
+            self._creator.abandon()
+            raise
+
+    def _prepare(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
+        """`compile_ahead`'s programs, lowered here, put in the cache as `Pending`."""
         for count in counts:
             program, (inputs, labels), chunk = _program_of(with_count(dispatch, count))
             if chunk is None:
@@ -243,9 +251,13 @@ class Programs:
         background meanwhile. With `chunk` the batch is abstract: the program takes it from
         `chunk`'s arrays on the devices.
         """
-        lowered, info, lowering = self._lower(program, spec, inputs, labels, states, chunk)
-        started = time.perf_counter()
-        compiled = lowered.compile()
+        try:
+            lowered, info, lowering = self._lower(program, spec, inputs, labels, states, chunk)
+            started = time.perf_counter()
+            compiled = lowered.compile()
+        except BaseException:
+            self._creator.abandon()
+            raise
         seconds = lowering + time.perf_counter() - started
         costs = self._costs(program, inputs)(compiled)
         if not self._creator.finish():  # an initializer changed the new state's key or layout

@@ -141,3 +141,18 @@ def test_init_params_start_the_created_state():
         jax.tree.leaves(params), jax.tree.leaves(jax.device_get(second.params)), strict=True
     ):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_first_step_that_fails_leaves_nothing_compiling_behind():
+    """The creation's compiling ends before the error reaches the caller."""
+
+    def loss_of_the_wrong_kind(labels, predictions):
+        return "not an array"
+
+    trainer = loopax.Trainer(model_fn, loss_of_the_wrong_kind, optax.sgd(0.1), devices=ONE_DEVICE)
+    with count_compilations() as compiled:
+        with pytest.raises(TypeError, match="must return one array"):
+            trainer.train_step(*batch())
+        at_the_error = list(compiled.names)
+    assert "jit(create)" in at_the_error  # compiled (or read from the cache) already
+    assert trainer.state is None
