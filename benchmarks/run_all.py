@@ -36,6 +36,11 @@ process's start to its first step, `examples/digits.py` resumed with JAX's compi
 filled against a cold process (target <= 0.4x). The runend section (issue 25,
 `bench_run_end.py`): whole `run_steps` calls of 3000 tiny steps, the README's hooks (their
 end-of-run save and flushes included) against the bare Loop (target >= 0.97).
+The lm section (issue 25, `bench_lm.py`): the character transformer of
+`examples/transformer_lm.py` (2 layers, width 128, context 64, batch 32) in tokens/s against
+a hand-written `jax.jit` step: a hand-written `lax.scan` of 8 steps, loopax per step and fused
+with K=8 on on-device data, and bfloat16 on both sides; then, one fresh process per candidate
+with the compilation caches off, the seconds a run waits for compiling and its peak memory.
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -73,7 +78,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend]
+       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend,lm]
        [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
@@ -108,6 +113,7 @@ SECTIONS = (
     "fsdp",
     "restart",
     "runend",
+    "lm",
 )
 DEVICE_COUNT = 4
 
@@ -838,8 +844,9 @@ def main() -> None:
         "--only",
         default=",".join(SECTIONS),
         help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
-        "shuffled, fsdp, restart, runend (keras alone runs the Keras rows on both workloads; "
-        "fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device data, issue 25)",
+        "shuffled, fsdp, restart, runend, lm (keras alone runs the Keras rows on both "
+        "workloads; fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device "
+        "data, issue 25; lm: the transformer LM of examples/transformer_lm.py)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
@@ -895,6 +902,12 @@ def main() -> None:
             bool(args.quick), explicit_rounds, on_round=round_progress("runend")
         )
         sections.append(("runend", section))
+    if "lm" in only:
+        import bench_lm  # noqa: PLC0415
+
+        progress("lm: starting")
+        lm = bench_lm.sections(args.quick, args.rounds, on_round=round_progress("lm"))
+        sections += [("lm", section) for section in lm]
     print_table(sections, started, load_before)
 
 

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from .._devices import Device
@@ -87,6 +88,50 @@ def join_arrays(arrays: list[Any], *, stack: bool = True) -> Any:
 def power_of_two_at_most(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (n.bit_length() - 1)
+
+
+def group_sizes(steps: int, most: int) -> set[int]:
+    """The sizes of the groups `steps` steps are read in, at most `most` steps a group.
+
+    A group takes the largest power of two that is at most `most` and the steps left (as
+    the loop asks `StepReader.read`), so 21 steps at most 8 a group are 8, 8, 4, 1.
+    """
+    sizes: set[int] = set()
+    if steps >= most:  # full groups: their count in one step, however long the run
+        full = power_of_two_at_most(most)
+        sizes.add(full)
+        steps -= ((steps - most) // full + 1) * full
+    while steps > 0:
+        size = power_of_two_at_most(min(most, steps))
+        sizes.add(size)
+        steps -= size
+    return sizes
+
+
+def _abstract(array: Any, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.dtype(array.dtype))
+
+
+def with_count(dispatch: Dispatch, count: int) -> Dispatch:
+    """A dispatch like `dispatch` but of `count` steps, its batches' shapes only.
+
+    What a program for a group of `count` steps is compiled from before such a group comes:
+    `OneStep` and `Stacked` hold `jax.ShapeDtypeStruct`s (one step's batch, or `count`
+    stacked); an `OnDevice` chunk keeps its arrays (they are the program's arguments) and
+    takes the count.
+    """
+    if isinstance(dispatch, OnDevice):
+        return OnDevice(dispatch.spec, dataclasses.replace(dispatch.chunk, count=count))
+    steps_axes = 0 if isinstance(dispatch, OneStep) else 1  # before one step's batch
+    inputs, labels = as_list(dispatch.inputs), as_list(dispatch.labels)
+
+    def resized(arrays: list[Any]) -> list[Any]:
+        leading = (count,) if count > 1 else ()
+        return [_abstract(a, (*leading, *np.shape(a)[steps_axes:])) for a in arrays]
+
+    if count == 1:
+        return OneStep(dispatch.spec, resized(inputs), resized(labels))
+    return Stacked(count, dispatch.spec, resized(inputs), resized(labels))
 
 
 def _kind(batch: Batch) -> tuple:

@@ -15,6 +15,7 @@ from ..data._iterables import RunIterable, check_restartable
 from ..data._reader import StepReader, power_of_two_at_most
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
+from ._ahead import AheadCompiles
 from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import NEVER
 from ._hook_registry import HookRegistry
@@ -406,6 +407,7 @@ class Runner:
         record_duration = self._durations.append
         clock = time.perf_counter
         agreement = self._agreement
+        ahead = AheadCompiles(self._trainer, self._most)
         while True:
             indicator = self._finite.indicator
             if agreement is not None:  # several processes: not past a stop they agreed on
@@ -413,13 +415,11 @@ class Runner:
             while self.loop_step < stop_step and not self.stop_requested:
                 started = clock()
                 first = self.loop_step
+                # A group ends at the run's stop or after the next step a hook fires at.
+                cut = min(stop_step, hooks.exact_wake_step + 1)
                 try:
                     dispatches, ended = read(
-                        1
-                        if one_step
-                        else power_of_two_at_most(
-                            max(min(most, stop_step - first, hooks.exact_wake_step - first + 1), 1)
-                        )
+                        1 if one_step else power_of_two_at_most(max(min(most, cut - first), 1))
                     )
                 except StopIteration:
                     return True
@@ -434,6 +434,7 @@ class Runner:
                     metrics, _ = run(dispatches[0])
                     last, count = first, 1
                 else:
+                    ahead.before_group(dispatches, first, cut)
                     parts = []
                     last = first - 1
                     for dispatch in dispatches:

@@ -25,7 +25,9 @@ class ExecInfo:
       spec: the dataset spec the executable was compiled for.
       input_shapes, input_dtypes, label_shapes, label_dtypes: the global batch's
         shapes and dtype names.
-      compile_seconds: wall time of tracing, lowering and compiling.
+      compile_seconds: wall time of tracing, lowering and compiling (a program compiled in
+        the background: its tracing and lowering on the training thread and its compiling
+        on the background thread, which may overlap with training).
       flops: XLA's cost analysis of one call, summed over the devices, or None when the
         backend gives none (XLA counts a loop's body once: a fused program's is about one
         step's).
@@ -59,6 +61,24 @@ class Executor:
     key: Hashable = dataclasses.field(default=None, repr=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A program compiling in the background, cached from when it was lowered.
+
+    The cache asks `resolve()` for the executor the first time the program is needed: it
+    waits for the compilation if it is still running (never compiles it again) and
+    reports the program then, on the thread that uses it.
+
+    Attributes:
+      info: the program's description, without its compile seconds and costs yet.
+      resolve: the `Executor`, once compiled; None when the programs compiled so far no
+        longer fit the train state (the cache was cleared: compile it anew).
+    """
+
+    info: ExecInfo
+    resolve: Callable[[], Executor | None] = dataclasses.field(repr=False)
+
+
 class ExecutorCache:
     """A least-recently-used cache of compiled steps, at most `max_size` of them.
 
@@ -78,7 +98,9 @@ class ExecutorCache:
         self.axis_limits = {MICRO_BATCHES: accumulate_steps}  # the most a leading axis may hold
         # Inputs and labels per spec, as first used: a spec keeps its arrangement.
         self._input_counts: dict[Hashable, tuple[int, int]] = {}
-        self._entries: collections.OrderedDict[Hashable, Executor] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Hashable, Executor | Pending] = (
+            collections.OrderedDict()
+        )
         self._fast: dict[Hashable, Executor] = {}
 
     def executor(
@@ -111,33 +133,52 @@ class ExecutorCache:
             fast_key = executor = None
         if executor is not None:
             return executor
-        graph = program.name
-        key_spec = spec_key(spec)
-        key = (
-            graph,
-            key_spec,
-            signature(inputs, "inputs", spec),
-            signature(labels, "labels", spec),
-            extra_key,
-        )
+        key = _key(program, spec, inputs, labels, extra_key)
         executor = self.get(key)
         if executor is None:
-            batch = validate_batch(
-                graph,
-                spec,
-                key_spec,
-                inputs,
-                labels,
-                self._input_counts,
-                self.local_devices,
-                program.axes(self.accumulating),
-                self.axis_limits,
+            executor = build(
+                program, spec, inputs, labels, self._validate(program, spec, inputs, labels)
             )
-            executor = build(program, spec, inputs, labels, batch)
             self.put(key, executor)
         if fast_key is not None:
             self.remember(fast_key, executor)
         return executor
+
+    def prepare(
+        self,
+        program: Program,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        build: Callable[[Program, Any, list, list, int], Pending],
+        extra_key: Hashable = None,
+    ) -> None:
+        """Caches `build(...)`'s `Pending` program for this batch, unless one is cached.
+
+        As `executor`, for a batch that has not come yet (its shapes, e.g. as
+        `jax.ShapeDtypeStruct`s): the program is resolved when a batch of them comes.
+
+        Raises:
+          TypeError, ValueError: the batch is not valid (as `validate_batch`).
+        """
+        key = _key(program, spec, inputs, labels, extra_key)
+        if key not in self._entries:
+            batch = self._validate(program, spec, inputs, labels)
+            self.put(key, build(program, spec, inputs, labels, batch))
+
+    def _validate(self, program: Program, spec: Any, inputs: list, labels: list) -> int:
+        """The batch's size, once `validate_batch` passed it."""
+        return validate_batch(
+            program.name,
+            spec,
+            spec_key(spec),
+            inputs,
+            labels,
+            self._input_counts,
+            self.local_devices,
+            program.axes(self.accumulating),
+            self.axis_limits,
+        )
 
     def executor_for(
         self,
@@ -165,7 +206,14 @@ class ExecutorCache:
         return executor
 
     def get(self, key: Hashable) -> Executor | None:
+        """The executor cached for `key` (a `Pending` one resolved first), or None."""
         executor = self._entries.get(key)
+        if isinstance(executor, Pending):
+            executor = executor.resolve()
+            if executor is None:  # it no longer fits the state; the cache was cleared
+                return None
+            executor.key = key
+            self._entries[key] = executor
         if executor is not None:
             self._entries.move_to_end(key)
             executor.hits += 1
@@ -185,8 +233,9 @@ class ExecutorCache:
             self._fast.clear()
         self._fast[fast_key] = executor
 
-    def put(self, key: Hashable, executor: Executor) -> None:
-        executor.key = key
+    def put(self, key: Hashable, executor: Executor | Pending) -> None:
+        if isinstance(executor, Executor):
+            executor.key = key
         self._entries[key] = executor
         while len(self._entries) > self.max_size:
             self._fast.clear()
@@ -204,8 +253,20 @@ class ExecutorCache:
             )
 
     def values(self) -> list[Executor]:
-        return list(self._entries.values())
+        """The compiled executors, least recently used first (not those still compiling)."""
+        return [entry for entry in self._entries.values() if isinstance(entry, Executor)]
 
     def clear(self) -> None:
         self._entries.clear()
         self._fast.clear()
+
+
+def _key(program: Program, spec: Any, inputs: list, labels: list, extra_key: Hashable) -> tuple:
+    """The cache's key of `program` for a batch: name, spec, shapes and dtypes, `extra_key`."""
+    return (
+        program.name,
+        spec_key(spec),
+        signature(inputs, "inputs", spec),
+        signature(labels, "labels", spec),
+        extra_key,
+    )

@@ -143,6 +143,7 @@ class Sharded(Strategy):
         self.rules = check_rules(rules, mesh)
         self.fsdp = bool(fsdp)
         self.multi_process = jax.process_count() > 1
+        self.compiles_ahead = not self.multi_process
         self.body_devices = 1  # one program over the global batch
         self.local_devices = _local_data_shards(mesh)  # what a local batch must divide by
         self._replicated = NamedSharding(mesh, P())
@@ -250,17 +251,17 @@ class Sharded(Strategy):
         self._plan(init, rng, inputs)
         return True
 
-    def create_state(
+    def state_creation(
         self,
         init: Callable[[Any, Any], dict],
         build: Callable[[dict, Any, Any], TrainState],
         rng: Any,
         inputs: list[Any],
         given_params: Any,
-    ) -> TrainState:
-        """The train state created sharded: no replicated copy is built anywhere.
+    ) -> tuple[Wrapped, tuple]:
+        """The program creating the train state sharded (no replicated copy), and its arguments.
 
-        `eval_shape` of the init plans the layout, then one compiled init puts out every
+        `eval_shape` of the init plans the layout, then the one program puts out every
         leaf in its sharding.
 
         Args:
@@ -284,11 +285,28 @@ class Sharded(Strategy):
         shardings = layout.shardings(jax.eval_shape(build_state, rng, inputs, start))
         data = self.mesh.shape[DATA]
         batch = [self._replicated if np.shape(a)[0] % data else self._shardings[0] for a in inputs]
-        return jax.jit(
+        creation = jax.jit(
             build_state,
             in_shardings=(self._replicated, batch, start_shardings),
             out_shardings=shardings,
-        )(rng, inputs, start)
+        )
+        return creation, (rng, inputs, start)
+
+    def abstract_placed(self, state: Any) -> Any:
+        """The state's leaves as `place_state` lays them out, abstract (see `Strategy`).
+
+        Sets `state_shardings`, which the programs lowered against it take.
+        """
+        if self.layout is None:  # never: `state_creation` plans it first
+            raise RuntimeError("the layout is planned when the state's creation starts")
+        shardings = self.state_shardings = self.layout.shardings(state)
+        return jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type
+            ),
+            state,
+            shardings,
+        )
 
     def __repr__(self) -> str:
         return f"Sharded(mesh={dict(self.mesh.shape)})"

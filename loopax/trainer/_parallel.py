@@ -47,6 +47,9 @@ class Strategy:
     # (`nn.with_logical_partitioning`) for a layout (only a mesh reads them).
     axis_name: str | None = AXIS
     annotates = False
+    # Whether a program can be compiled for a batch's shapes alone, before the batch comes
+    # (`Trainer.compile_ahead`).
+    compiles_ahead = True
 
     def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
@@ -155,22 +158,40 @@ class Strategy:
             )
         )
 
-    def create_state(
+    def state_creation(
         self,
         init: Callable[[Any, Any], dict],
         build: Callable[[dict, Any, Any], Any],
         rng: Any,
         inputs: list[Any],
         given_params: Callable[[Any], Any] | None,
-    ) -> Any:
-        """The train state `build(variables, rng, start)`.
+    ) -> tuple[Wrapped, tuple]:
+        """The program creating the train state `build(variables, rng, start)`, and its arguments.
 
-        `variables` are what `init(rng, inputs)` builds on every device; `start` is
-        `given_params(params)`, or None without one.
+        One program: `variables` are what `init(rng, inputs)` builds on every device, and
+        the optimizer and metric states are built beside them (built op by op, each would
+        compile a small program of its own). `start` is `given_params(abstract params)`, or
+        None without one (unused random parameters are left out of the program).
         """
-        variables = self.initializer(init)(rng, inputs)
-        start = None if given_params is None else given_params(variables.get("params", {}))
-        return build(variables, rng, start)
+        initializer = self.initializer(init)
+        start = None
+        if given_params is not None:
+            start = given_params(jax.eval_shape(initializer, rng, inputs).get("params", {}))
+
+        def create(key: Any, batch: Any, start: Any) -> Any:
+            return build(initializer(key, batch), key, start)
+
+        return jax.jit(create, out_shardings=self._replicated), (rng, inputs, start)
+
+    def abstract_placed(self, state: Any) -> Any:
+        """The shapes, dtypes and shardings `place_state` gives `state` (its leaves abstract).
+
+        What a program is lowered against while the state it will run on is being created.
+        """
+        return jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated),
+            state,
+        )
 
     def plan_layout(self, init: Callable[[Any, Any], dict], rng: Any, inputs: list[Any]) -> bool:
         """Plans where the variables `init(rng, inputs)` live; whether placement changed.
@@ -190,6 +211,7 @@ class MultiProcess(Strategy):
     """
 
     multi_process = True
+    compiles_ahead = False  # a global batch is assembled from this process's real arrays
 
     def __init__(self, devices: Sequence[Device]):
         super().__init__(devices)
@@ -205,6 +227,7 @@ class Pmap(Strategy):
 
     name = "pmap"
     slices_in_scan = False
+    compiles_ahead = False  # its programs take their batches' placement from the batches
 
     def __init__(self, devices: Sequence[Device]):
         if any(d.process_index != jax.process_index() for d in devices):
@@ -225,6 +248,11 @@ class Pmap(Strategy):
     def unplace(self, state: Any) -> Any:
         """Device 0's copy."""
         return jax.tree.map(lambda leaf: leaf[0], state)
+
+    def abstract_placed(self, state: Any) -> Any:
+        """As `Strategy.abstract_placed`: host arrays with a leading device axis."""
+        n = self.num_devices
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct((n, *leaf.shape), leaf.dtype), state)
 
     def gradient_objective(self, local_loss: jax.Array, pmean: Callable[[Any], Any]) -> Any:
         """The local loss: pmap's gradients are per device, averaged by `gradient_mean`."""

@@ -5,25 +5,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..data._datasets import as_list
-from ..data._reader import Dispatch, OnDevice, OneStep, Stacked
-from ._executors import ExecInfo, Executor, ExecutorCache
-from ._models import no_parameters_message
+from ..data._reader import Dispatch, OnDevice, OneStep, Stacked, with_count
+from . import _background
+from ._creation import Model, StateCreator
+from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._named import fused_metrics, named_metrics
 from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
-from ._state import TrainState, from_plain, to_plain
 from ._steps import StepBuilder, StepConfig
 
 if TYPE_CHECKING:
-    import optax
-
     from ..data._device_data import DeviceChunk
     from ._parallel import Strategy
     from ._placed_state import PlacedState
@@ -42,30 +39,11 @@ class StepResult(NamedTuple):
     stacked: dict[str, Any] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """What the programs build the state from: the model, its seed and its start.
-
-    Attributes:
-      given: the model as the user gave it (for messages).
-      adapted: the model as the step bodies call it (`_models.adapt`).
-      optimizer: builds the optimizer state.
-      seed: seeds the parameters' initialization.
-      init_params: the parameters to start from (host arrays), or None for fresh ones.
-    """
-
-    given: Any
-    adapted: Any
-    optimizer: optax.GradientTransformation
-    seed: int
-    init_params: Any
-
-
 class Programs:
     """Compiles each `Program` once per batch kind, caches it, and runs it on the state.
 
     The first program compiled creates the train state (or checks a loaded one against the
-    model's variables): only a batch shows the variables' shapes.
+    model's variables): only a batch shows the variables' shapes (`StateCreator`).
 
     Args:
       model: what the state is built from.
@@ -90,6 +68,7 @@ class Programs:
         self._strategy: Strategy = config.strategy
         self._placed = placed
         self._cache = cache
+        self._creator = StateCreator(model, config.strategy, placed)
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         # The same host metric objects across configs: they hold the host states. None
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
@@ -103,9 +82,29 @@ class Programs:
         self.steps = StepBuilder(self._model.adapted, config)
         self.metric_names = self.steps.train_keys
         self._cache.clear()
+        self._creator.cancel()
+
+    def skip_non_finite(self, enabled: bool) -> None:
+        """See `Trainer.skip_non_finite_steps`: recompiles only when it changes."""
+        if enabled != self.steps.config.skip_non_finite:
+            self.configure(skip_non_finite=enabled)
+
+    def add_per_step_update(self, fn: Callable[[Any], Any]) -> None:
+        """See `Trainer.add_per_step_update`."""
+        if not callable(fn):
+            raise TypeError(f"add_per_step_update needs a callable, got {type(fn).__name__}")
+        self.configure(per_step_updates=(*self.steps.config.per_step_updates, fn))
+
+    def reset_train_metrics(self) -> None:
+        """Resets every train metric's state, the loss's moving average included."""
+        self.steps.config.host_train.reset()  # host metrics' states
+        if self._placed.placed is not None:
+            self._placed.replace_train_metrics(self._creator.fresh_train_metrics(self.steps))
 
     def add_exec_handler(self, handler: Callable[[ExecInfo], None]) -> None:
-        """Calls `handler(info)` whenever a program is compiled."""
+        """Calls `handler(info)` whenever a program is compiled (see `Trainer.on_exec_creation`)."""
+        if not callable(handler):
+            raise TypeError(f"on_exec_creation needs a callable, got {type(handler).__name__}")
         self._exec_handlers.append(handler)
 
     def executors(self) -> list[Executor]:
@@ -145,7 +144,7 @@ class Programs:
         executor = self._cache.executor_for(
             TRAIN_STEPS_GATHERED,
             spec,
-            (chunk.count, chunk.size, chunk.reading, chunk.source.key),
+            _gathered_key(chunk),
             chunk.shapes,
             functools.partial(self._compile, chunk=chunk),
         )
@@ -210,6 +209,39 @@ class Programs:
 
     # -- compiling ------------------------------------------------------------------------
 
+    def compile_ahead(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
+        """Starts compiling `dispatch`'s program for groups of each of `counts` steps.
+
+        See `Trainer.compile_ahead`. The state is created from (or a loaded one checked
+        against) `dispatch`'s batch first, if that has not happened.
+        """
+        strategy = self._strategy
+        if not strategy.compiles_ahead:
+            return
+        program, (inputs, labels), chunk = _program_of(dispatch)
+        source = (inputs, labels) if chunk is None else chunk
+        leading = len(program.axes(self._cache.accumulating))
+        try:
+            self._creator.prepare(
+                self.steps, dispatch.spec, lambda: program.model_inputs(strategy, source, leading)
+            )
+            self._prepare(dispatch, counts)
+        except BaseException:
+            self._creator.abandon()
+            raise
+
+    def _prepare(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
+        """`compile_ahead`'s programs, lowered here, put in the cache as `Pending`."""
+        for count in counts:
+            program, (inputs, labels), chunk = _program_of(with_count(dispatch, count))
+            if chunk is None:
+                self._cache.prepare(program, dispatch.spec, inputs, labels, self._compile_later)
+            else:
+                build = functools.partial(self._compile_later, chunk=chunk)
+                self._cache.prepare(
+                    program, dispatch.spec, inputs, labels, build, extra_key=_gathered_key(chunk)
+                )
+
     def _compile_train(
         self, program: Program, spec: Any, inputs: list, labels: list, batch: int
     ) -> Executor:
@@ -240,27 +272,77 @@ class Programs:
         states: tuple = (),
         chunk: DeviceChunk | None = None,
     ) -> Executor:
-        """Compiles `program` for this (validated) batch of `batch` examples.
+        """Compiles `program` for this (validated) batch of `batch` examples, here and now.
 
-        Creates the state first if there is none. With `chunk` the batch is abstract:
-        the program takes it from `chunk`'s arrays on the devices.
+        Creates the state first if there is none: its own program compiles in the
+        background meanwhile. With `chunk` the batch is abstract: the program takes it from
+        `chunk`'s arrays on the devices.
         """
-        strategy, placed = self._strategy, self._placed
+        try:
+            lowered, info, lowering = self._lower(program, spec, inputs, labels, states, chunk)
+            started = time.perf_counter()
+            compiled = lowered.compile()
+        except BaseException:
+            self._creator.abandon()
+            raise
+        seconds = lowering + time.perf_counter() - started
+        costs = self._costs(program, inputs)(compiled)
+        if not self._creator.finish():  # an initializer changed the new state's key or layout
+            self._cache.clear()
+            return self._compile(program, spec, inputs, labels, batch, states, chunk)
+        return self._report(info, compiled, seconds, costs)
+
+    def _compile_later(
+        self,
+        program: Program,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        batch: int,
+        chunk: DeviceChunk | None = None,
+    ) -> Pending:
+        """`_compile`, with the compiling done in the background; lowered here and now."""
+        lowered, info, lowering = self._lower(program, spec, inputs, labels, (), chunk)
+        costs = self._costs(program, inputs)
+
+        def compile_in_background() -> tuple[Any, float, dict]:
+            started = time.perf_counter()
+            compiled = lowered.compile()
+            return compiled, time.perf_counter() - started, costs(compiled)
+
+        future = _background.submit(compile_in_background)
+
+        def resolve() -> Executor | None:
+            compiled, seconds, program_costs = future.result()
+            if not self._creator.finish():
+                self._cache.clear()
+                return None
+            return self._report(info, compiled, lowering + seconds, program_costs)
+
+        return Pending(info, resolve)
+
+    def _lower(
+        self,
+        program: Program,
+        spec: Any,
+        inputs: list,
+        labels: list,
+        states: tuple,
+        chunk: DeviceChunk | None,
+    ) -> tuple[Any, ExecInfo, float]:
+        """`program` lowered for the batch; its description (no costs yet) and the seconds taken."""
+        strategy = self._strategy
         source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))  # axes before the batch axis
-        if placed.placed is None or placed.unverified_source is not None:
-            model_inputs = program.model_inputs(strategy, source, leading)
-            if placed.placed is None:
-                self._initialize(spec, model_inputs)
-            else:
-                self._verify_loaded_state(spec, strategy.global_batch(model_inputs))
+        self._creator.prepare(
+            self.steps, spec, lambda: program.model_inputs(strategy, source, leading)
+        )
         started = time.perf_counter()
+        state, rng = self._creator.lowering_state()
         arguments = program.arguments(strategy, source, leading)
         sharded = len(arguments) if program.sharded is None else program.sharded
-        run = program.wrap(
-            program, strategy, self.steps, spec, placed.rng, source, leading, sharded
-        )
-        compiled = run.lower(placed.placed, *states, *arguments).compile()
+        run = program.wrap(program, strategy, self.steps, spec, rng, source, leading, sharded)
+        lowered = run.lower(state, *states, *arguments)
         info = ExecInfo(
             graph_type=program.graph_type,
             spec=spec,
@@ -268,74 +350,35 @@ class Programs:
             input_dtypes=tuple(str(a.dtype) for a in inputs),
             label_shapes=tuple(tuple(a.shape) for a in labels),
             label_dtypes=tuple(str(a.dtype) for a in labels),
-            compile_seconds=time.perf_counter() - started,
-            **_costs(compiled, program, inputs, program.axes(self._cache.accumulating), strategy),
+            compile_seconds=0.0,
         )
+        return lowered, info, time.perf_counter() - started
+
+    def _costs(self, program: Program, inputs: list) -> Callable[[Any], dict]:
+        """`_costs` of a compiled `program`, as a function of it (it may run on any thread)."""
+        axes, strategy = program.axes(self._cache.accumulating), self._strategy
+        return lambda compiled: _costs(compiled, program, inputs, axes, strategy)
+
+    def _report(self, info: ExecInfo, compiled: Any, seconds: float, costs: dict) -> Executor:
+        """The executor of a compiled program, reported to the exec handlers."""
+        info = dataclasses.replace(info, compile_seconds=seconds, **costs)
         for handler in self._exec_handlers:
             handler(info)
         return Executor(info=info, run=compiled)
 
-    # -- the state, created from the first batch ------------------------------------------
 
-    def _initializer(self, spec: Any) -> Callable[..., Any]:
-        per_device = self.steps.init_variables
-        return self._strategy.initializer(lambda key, xs: per_device(spec, key, xs))
+def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceChunk | None]:
+    """The train program running `dispatch`, its batch (or shapes) and its on-device chunk."""
+    if isinstance(dispatch, OneStep):
+        return TRAIN, (as_list(dispatch.inputs), as_list(dispatch.labels)), None
+    if isinstance(dispatch, OnDevice):
+        return TRAIN_STEPS_GATHERED, dispatch.chunk.shapes(), dispatch.chunk
+    return TRAIN_STEPS, (as_list(dispatch.inputs), as_list(dispatch.labels)), None
 
-    def _initialize(self, spec: Any, inputs: list[Any]) -> None:
-        model = self._model
-        init_params = model.init_params
 
-        def given(params: Any) -> Any:
-            return from_plain(
-                params,
-                init_params,
-                "init_params",
-                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
-                "of a checkpoint of the same model",
-            )
-
-        per_device = self.steps.init_variables
-        state = self._strategy.create_state(
-            lambda key, xs: per_device(spec, key, xs),
-            self._build_state,
-            jax.random.PRNGKey(model.seed),
-            self._strategy.global_batch(inputs),
-            None if init_params is None else given,
-        )
-        self._placed.create(state)
-
-    def _build_state(self, variables: dict, rng: Any, start: Any) -> TrainState:
-        """The train state of the model's `variables`, from parameters `start` if given."""
-        variables = dict(variables)
-        params = variables.pop("params", {})
-        if start is not None:
-            params = start
-        if not jax.tree.leaves(params):
-            raise ValueError(no_parameters_message(self._model.given))
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=self._model.optimizer.init(params),
-            model_state=variables,
-            rng=rng,
-            train_metrics=self.steps.fresh_train_metrics(),
-            loss_scale=self.steps.fresh_loss_scale(),
-        )
-
-    def _verify_loaded_state(self, spec: Any, inputs: list[Any]) -> None:
-        """Checks a state loaded before the first batch against the model's variables."""
-        where, state = self._placed.take_unverified()
-        key = jax.random.PRNGKey(self._model.seed)
-        expected = dict(jax.eval_shape(self._initializer(spec), key, inputs))
-        expected_params = expected.pop("params", {})
-        from_plain(
-            {"params": expected_params, "model_state": expected},
-            to_plain({"params": state.params, "model_state": state.model_state}),
-            where,
-        )
-        per_device = self.steps.init_variables
-        if self._strategy.plan_layout(lambda k, xs: per_device(spec, k, xs), key, inputs):
-            self._placed.state = state  # moved into the layout's shardings
+def _gathered_key(chunk: DeviceChunk) -> tuple:
+    """What a gathering program depends on besides its spec: the chunk's kind and arrays."""
+    return (chunk.count, chunk.size, chunk.reading, chunk.source.key)
 
 
 def _costs(compiled: Any, program: Program, inputs: Any, axes: tuple, strategy: Any) -> dict:

@@ -13,6 +13,7 @@ from .._validate import positive_int
 from ..data._datasets import Dataset
 from ..data._reader import Dispatch
 from ._context import ModelFn
+from ._creation import Model
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._host_metrics import HostMetrics
@@ -23,7 +24,7 @@ from ._parallel import Device
 from ._placed_state import PlacedState
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predictor
-from ._programs import Model, Programs, StepResult
+from ._programs import Programs, StepResult
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
@@ -216,8 +217,7 @@ class Trainer:
         also returns `"skipped_steps"`: the steps skipped since the train metrics were last
         reset. `hooks.nan_guard` turns this on. Compiled steps are dropped.
         """
-        if bool(enabled) != self._programs.steps.config.skip_non_finite:
-            self._programs.configure(skip_non_finite=bool(enabled))
+        self._programs.skip_non_finite(bool(enabled))
 
     def add_per_step_update(self, fn: Callable[[Any], Any]) -> None:
         """Adds `fn(params) -> params`, compiled into the train step after the update.
@@ -228,15 +228,10 @@ class Trainer:
         Raises:
           TypeError: `fn` is not callable.
         """
-        if not callable(fn):
-            raise TypeError(f"add_per_step_update needs a callable, got {type(fn).__name__}")
-        updates = self._programs.steps.config.per_step_updates
-        self._programs.configure(per_step_updates=(*updates, fn))
+        self._programs.add_per_step_update(fn)
 
     def on_exec_creation(self, handler: Callable[[ExecInfo], None]) -> None:
-        """Calls `handler(info)` with an `ExecInfo` whenever a step is compiled."""
-        if not callable(handler):
-            raise TypeError(f"on_exec_creation needs a callable, got {type(handler).__name__}")
+        """Calls `handler(info)` with an `ExecInfo` per compiled step, when it is first used."""
         self._programs.add_exec_handler(handler)
 
     def add_state_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
@@ -317,10 +312,7 @@ class Trainer:
 
     def reset_train_metrics(self) -> None:
         """Resets every train metric, the loss's moving average included."""
-        steps = self._programs.steps
-        steps.config.host_train.reset()  # host metrics' states
-        if self._placed.placed is not None:
-            self._placed.replace_train_metrics(steps.fresh_train_metrics())
+        self._programs.reset_train_metrics()
 
     @property
     def learning_rate(self) -> float | None:
@@ -400,6 +392,14 @@ class Trainer:
         """
         result = self._programs.train_steps(spec, inputs, labels)
         return cast("dict[str, Any]", result.stacked), result.last  # n steps: never None
+
+    def compile_ahead(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
+        """Compiles `dispatch`'s programs for groups of `counts` steps, in the background.
+
+        The Loop asks for the group sizes of its next steps, so no group after the first
+        waits for a compilation; `on_exec_creation` reports each when it is first used.
+        """
+        self._programs.compile_ahead(dispatch, counts)
 
     def gathers_on(self, devices: list[Device]) -> bool:
         """Whether fused steps can take batches from arrays on `devices` (this process's own)."""

@@ -3,10 +3,20 @@
 import jax
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import loopax
 from loopax.data._datasets import BadBatchError
-from loopax.data._reader import OnDevice, OneStep, Stacked, StepReader
+from loopax.data._reader import (
+    OnDevice,
+    OneStep,
+    Stacked,
+    StepReader,
+    group_sizes,
+    power_of_two_at_most,
+    with_count,
+)
 
 EXAMPLES = 40
 
@@ -84,3 +94,43 @@ def test_a_batch_that_is_not_spec_inputs_labels_is_named(steps_per_read):
 
     with pytest.raises(BadBatchError, match=r"dataset 'pairs' yielded a tuple of 2 items"):
         StepReader(Pairs(), steps_per_read).read(steps_per_read)
+
+
+@given(steps=st.integers(0, 10_000), most=st.integers(1, 300))
+def test_group_sizes_are_the_sizes_the_loop_reads_the_steps_in(steps, most):
+    read = set()
+    left = steps
+    while left > 0:  # as the loop asks: the largest power of two within `most` and the rest
+        size = power_of_two_at_most(min(most, left))
+        read.add(size)
+        left -= size
+    assert group_sizes(steps, most) == read
+
+
+def test_group_sizes_of_a_long_run_take_no_time_per_group():
+    assert group_sizes(10**15 + 3, 10) == {8, 2, 1}
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_with_count_gives_the_shapes_of_a_group_of_another_size(count):
+    inputs, labels = [np.zeros((8, 3, 2), np.float32)], [np.zeros((8, 3), np.int32)]
+    for dispatch in (
+        Stacked(8, "spec", inputs, labels),
+        OneStep("spec", [inputs[0][0]], [labels[0][0]]),
+    ):
+        resized = with_count(dispatch, count)
+        assert resized.count == count and resized.spec == "spec"
+        leading = (count,) if count > 1 else ()
+        assert isinstance(resized, Stacked if count > 1 else OneStep)
+        assert resized.inputs == [jax.ShapeDtypeStruct((*leading, 3, 2), np.float32)]
+        assert resized.labels == [jax.ShapeDtypeStruct((*leading, 3), np.int32)]
+
+
+def test_with_count_of_an_on_device_group_keeps_its_arrays():
+    dataset = make_dataset(on_device=True, devices=jax.devices()[:1], loop_forever=True)
+    reader = StepReader(dataset, steps_per_read=8, gathers_on=gathers_anywhere)
+    (dispatch,), _ = reader.read(8)
+    resized = with_count(dispatch, 2)
+    assert isinstance(resized, OnDevice) and resized.count == 2
+    assert resized.chunk.source is dispatch.chunk.source
+    assert resized.chunk.start == dispatch.chunk.start

@@ -137,3 +137,27 @@ def test_digits_grain_trains_and_resumes_exactly(tmp_path):
     # The same batches after the resume: the same results at step 350.
     at_350 = output[output.index("Step 350:") :]
     assert second.stdout[second.stdout.index("Step 350:") :] == at_350
+
+
+def test_transformer_lm_learns_the_standard_library_samples_and_resumes(tmp_path):
+    script = str(EXAMPLES / "transformer_lm.py")
+    small = ["--width", "32", "--layers", "1", "--heads", "2", "--context", "32"]
+    small += ["--batch-size", "16", "--max-chars", "300000", "--val-batches", "2"]
+    small += ["--eval-every", "16", "--steps-per-execution", "4", "--learning-rate", "1e-2"]
+    small += ["--dir", str(tmp_path), "--no-progress"]
+    first = _run([script, "--steps", "32", *small], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = first.stdout.strip().splitlines()
+    assert "resumed" not in first.stdout
+    # Two evaluations (steps 16 and 32), the loss falling, well below a uniform guess
+    # over the 96 characters (ln 96 = 4.56 nats).
+    losses = [float(line.split(":")[1]) for line in lines if "Mean Loss" in line]
+    assert len(losses) == 2 and losses[1] < losses[0] < 4.0, first.stdout[-2000:]
+    final = float(lines[-2].removeprefix("validation loss: "))
+    assert abs(final - losses[1]) < 0.01, lines[-2]
+    assert lines[-1].startswith("def "), lines[-1]  # the sampled line, from the prompt
+
+    second = _run([script, "--steps", "48", *small], cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 32" in second.stdout
+    assert second.stdout.strip().splitlines()[-2].startswith("validation loss: ")
