@@ -11,7 +11,9 @@ import types
 from typing import TYPE_CHECKING
 
 from ._compilation_cache import set_compilation_cache as set_compilation_cache
+from ._params import load_into as load_into
 from ._params import load_params as load_params
+from ._params import load_variables as load_variables
 from ._public import show_errors_under
 from .data import ArrayDataset as ArrayDataset
 from .data import Dataset as Dataset
@@ -64,7 +66,9 @@ __all__ = [
     "TrainState",
     "Trainer",
     "hooks",
+    "load_into",
     "load_params",
+    "load_variables",
     "losses",
     "metrics",
     "optimizers",

@@ -60,12 +60,54 @@ class PendingState:
       arguments: what it runs on.
       abstract: the placed state's shapes, dtypes and shardings, to lower programs against.
       rng: the RNG key the state will hold, which programs are compiled with.
+      model_state: the model-state collections `init_params` gave (host arrays), which
+        replace the created ones.
     """
 
     compiled: concurrent.futures.Future
     arguments: tuple
     abstract: TrainState
     rng: jax.Array
+    model_state: dict = dataclasses.field(default_factory=dict)
+
+
+_INIT_PARAMS_HINT = (
+    "pass the parameters or variables of this model, e.g. loopax.load_params(directory) or "
+    "loopax.load_variables(directory) of a checkpoint of the same model"
+)
+
+
+def holds_variables(init_params: Any, params: Any) -> bool:
+    """Whether `init_params` are variables (`{"params": ..., "batch_stats": ...}`).
+
+    Rather than the parameters themselves: the model's `params` have no entry `"params"`
+    of their own at their top.
+    """
+    return (
+        isinstance(init_params, dict)
+        and isinstance(init_params.get("params"), dict)
+        and not (isinstance(params, dict) and "params" in params)
+    )
+
+
+def _given_model_state(state: TrainState, given: dict) -> dict:
+    """The created state's model state with the collections `init_params` gave instead.
+
+    Raises:
+      ValueError: a collection the model does not have, or one that does not fit it
+        (naming the first differing entry and both shapes).
+    """
+    model_state = dict(state.model_state)
+    for name, collection in given.items():
+        if name not in model_state:
+            raise ValueError(
+                f"init_params holds the collection {name!r}, which the model does not have "
+                f"(it has {sorted(['params', *model_state])}); {_INIT_PARAMS_HINT}"
+            )
+        model_state[name] = from_plain(
+            model_state[name], collection, f"init_params[{name!r}]", hint=_INIT_PARAMS_HINT
+        )
+    return model_state
 
 
 def _signature(tree: Any) -> tuple:
@@ -143,6 +185,8 @@ class StateCreator:
             return True
         placed = self._placed
         state = pending.compiled.result()(*pending.arguments)
+        if pending.model_state:
+            state = state.replace(model_state=_given_model_state(state, pending.model_state))
         metrics = state.train_metrics
         if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(metrics)):
             # A real copy: the first step may reuse (donate) the state's buffers.
@@ -172,15 +216,14 @@ class StateCreator:
     def _start(self, steps: StepBuilder, spec: Any, inputs: list[Any]) -> PendingState:
         model = self._model
         init_params = model.init_params
+        given_state: dict = {}
 
         def given(params: Any) -> Any:
-            return from_plain(
-                params,
-                init_params,
-                "init_params",
-                hint="pass the parameters of this model, e.g. loopax.load_params(directory) "
-                "of a checkpoint of the same model",
-            )
+            start = init_params
+            if holds_variables(init_params, params):  # e.g. loopax.load_variables(directory)
+                start = init_params["params"]
+                given_state.update({k: v for k, v in init_params.items() if k != "params"})
+            return from_plain(params, start, "init_params", hint=_INIT_PARAMS_HINT)
 
         per_device = steps.init_variables
         rng = jax.random.PRNGKey(model.seed)
@@ -193,7 +236,8 @@ class StateCreator:
         )
         lowered = creation.lower(*arguments)  # here: tracing runs the model's code
         abstract = self._strategy.abstract_placed(lowered.out_info.replace(rng=None))
-        return PendingState(_background.submit(lowered.compile), arguments, abstract, rng)
+        compiled = _background.submit(lowered.compile)
+        return PendingState(compiled, arguments, abstract, rng, given_state)
 
     def _build_state(self, steps: StepBuilder, variables: dict, rng: Any, start: Any) -> TrainState:
         """The train state of the model's `variables`, from parameters `start` if given."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ._context import ModelModule, check_predictions
-from ._state import tree_paths
+from ._state import from_plain, tree_paths
 
 # The keyword a Linen module's __call__ takes for train/eval mode, and its value in training.
 _MODE_KEYWORDS = {"train": True, "training": True, "deterministic": False}
@@ -271,3 +271,41 @@ def explained_model_errors(model: Any, spec: Any, inputs: Any, what: str) -> Ite
             if "no `rngs` argument was provided" in str(err):
                 add_note(_NNX_RNGS_FIX)
         raise
+
+
+def load_nnx_variables(module: Any, variables: dict, where: str) -> Any:
+    """Sets an NNX module's parameters and other state from a checkpoint's `variables`.
+
+    `variables` is `{"params": ..., "nnx": ...}` as a Trainer of an NNX module saves them
+    (see `NnxModel`); every entry is checked against the module's own (name, shape, dtype)
+    before any is set. Returns the module.
+
+    Raises:
+      TypeError: `module` is not a `flax.nnx.Module`.
+      ValueError: `variables` do not fit the module (naming the first differing entry), or
+        hold collections an NNX module has no place for (a Linen model's).
+    """
+    if not is_nnx_module(module):
+        raise TypeError(
+            f"load_into sets a flax.nnx.Module's variables, got a {type(module).__name__}; for "
+            "a Linen module or a model function use module.apply(loopax.load_variables(...), x) "
+            "or Trainer(..., init_params=loopax.load_variables(...))"
+        )
+    from flax import nnx  # noqa: PLC0415
+
+    others = sorted(set(variables) - {"params", NNX_STATE})
+    if others:
+        raise ValueError(
+            f"{where} holds the collections {others}, which a flax.nnx.Module has no place "
+            "for: was it saved by a Trainer of a Linen module or a model function? Load it "
+            "with loopax.load_variables and Linen's module.apply"
+        )
+    _, params, _, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    hint = "was it saved by a Trainer of another model? Build the module the checkpoint holds"
+    checked = []
+    for state, saved in ((params, variables["params"]), (rest, variables.get(NNX_STATE, {}))):
+        pure = from_plain(nnx.to_pure_dict(state), saved, where, hint)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
+        checked.append(state)
+    nnx.update(module, *checked)
+    return module

@@ -107,6 +107,11 @@ class Programs:
             raise TypeError(f"on_exec_creation needs a callable, got {type(handler).__name__}")
         self._exec_handlers.append(handler)
 
+    @property
+    def has_start(self) -> bool:
+        """Whether the state, once created, starts from given parameters (`init_params`)."""
+        return self._model.init_params is not None
+
     def executors(self) -> list[Executor]:
         """The cached compiled programs, least recently used first."""
         return self._cache.values()
