@@ -30,6 +30,17 @@ _logger = logging.getLogger("loopax")
 RESTORE_PRIORITY = Priority.CHECKPOINT + 1
 
 
+def _weights(state: Any) -> dict[str, Any]:
+    """What evaluation depends on, by `TrainState` field.
+
+    The parameters, the model state, and the EMA weights when kept (evaluation uses them).
+    """
+    weights = {"params": state.params, "model_state": state.model_state}
+    if state.ema_params is not None:
+        weights["ema_params"] = state.ema_params
+    return weights
+
+
 def _equal_trees(a: Any, b: Any) -> bool:
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
@@ -93,11 +104,11 @@ class EarlyStopping(MetricMonitor):
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
         self.restored_step: int | None = None
-        self._best_copy: tuple[Any, Any] | None = None  # (params, model_state) on the device
+        self._best_copy: dict[str, Any] | None = None  # the best weights, on the device
         self._best_copy_step: int | None = None
-        # The training's own (params, model_state, global step), kept while the trainer
-        # holds the best ones between runs: the next run trains on from them.
-        self._set_aside: tuple[Any, Any, int] | None = None
+        # The training's own weights and global step, kept while the trainer holds the
+        # best ones between runs: the next run trains on from them.
+        self._set_aside: tuple[dict[str, Any], int] | None = None
         loop.on_start(self.name, self._on_start, Priority.VALIDATE + 1)
         loop.on_restore(self.name, self._on_restore)
         loop.on_end(self.name, self._on_end, RESTORE_PRIORITY, check_finite=False)
@@ -111,7 +122,7 @@ class EarlyStopping(MetricMonitor):
         """
         if self._best_copy is None or self._best_copy_step != self.best_step:
             return None
-        return self._best_copy[0]
+        return self._best_copy["params"]
 
     def reset(self) -> None:
         """Forgets the best value, the wait and the stop, so that later runs train again.
@@ -133,7 +144,7 @@ class EarlyStopping(MetricMonitor):
             if self.restore_best:
                 # A real copy: the next step donates the state's device buffers.
                 state = state_of(loop.trainer, self.name)
-                self._best_copy = jax.tree.map(jnp.copy, (state.params, state.model_state))
+                self._best_copy = jax.tree.map(jnp.copy, _weights(state))
                 self._best_copy_step = step
             if self.baseline is None or self.improves(value, self.baseline):
                 self.wait = 0
@@ -180,13 +191,11 @@ class EarlyStopping(MetricMonitor):
         set_aside, self._set_aside = self._set_aside, None
         if set_aside is None or self._best_copy is None:
             return
-        params, model_state, step = set_aside
+        weights, step = set_aside
         state = state_of(trainer, self.name)
         # Only if nobody replaced the parameters between the runs.
-        if step == trainer.global_step and _equal_trees(
-            (state.params, state.model_state), self._best_copy
-        ):
-            trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
+        if step == trainer.global_step and _equal_trees(_weights(state), self._best_copy):
+            trainer.state = dataclasses.replace(state, **weights)
 
     def _on_restore(self, loop: Loop, step: int) -> None:
         del loop, step
@@ -216,14 +225,13 @@ class EarlyStopping(MetricMonitor):
         state = state_of(trainer, self.name)
         if self._set_aside is None:
             # No copy: the trainer lets go of these arrays (its new state is placed anew).
-            self._set_aside = (state.params, state.model_state, trainer.global_step)
-        params, model_state = self._best_copy
-        trainer.state = dataclasses.replace(state, params=params, model_state=model_state)
+            self._set_aside = (_weights(state), trainer.global_step)
+        trainer.state = dataclasses.replace(state, **self._best_copy)
         self.restored_step = self.best_step
         self._say(f"{self.name}: restored the parameters of step {self.best_step}")
 
-    def _read_best_checkpoint(self, loop: Loop) -> tuple[Any, Any] | None:
-        """The best step's (params, model state) from a checkpoint hook keeping it, or None.
+    def _read_best_checkpoint(self, loop: Loop) -> dict[str, Any] | None:
+        """The best step's weights from a checkpoint hook keeping it, or None.
 
         After a resume the best parameters are not in memory; a `hooks.checkpoint` with
         this monitor as its `best_metric` keeps them on disk.
@@ -235,13 +243,12 @@ class EarlyStopping(MetricMonitor):
                 plain = checkpointer.read(self.best_step)
                 state = state_of(loop.trainer, self.name)
                 where = f"checkpoint {self.best_step} of {str(checkpointer.directory)!r}"
-                best = from_plain(
-                    {"params": state.params, "model_state": state.model_state},
-                    {"params": plain["params"], "model_state": plain.get("model_state", {})},
-                    where,
-                )
+                weights = _weights(state)
+                saved = {"params": plain["params"], "model_state": plain.get("model_state", {})}
+                if "ema_params" in weights:  # saved before the EMA was kept: its parameters
+                    saved["ema_params"] = plain.get("ema_params", plain["params"])
                 self._best_copy_step = self.best_step
-                return best["params"], best["model_state"]
+                return from_plain(weights, saved, where)
         return None
 
     def get_state(self) -> dict[str, Any]:
@@ -288,8 +295,9 @@ def early_stopping(
     calls `loop.request_stop(reason)`: the run ends after the current step's hooks, its
     OnEnd hooks included.
 
-    With `restore_best`, the parameters and the model state (e.g. BatchNorm statistics) of
-    the best check are copied on the device when found, and at the end of **every** run,
+    With `restore_best`, the parameters, the model state (e.g. BatchNorm statistics) and
+    the EMA weights (`Trainer(ema_decay=...)`, which evaluations use) of the best check are
+    copied on the device when found, and at the end of **every** run,
     stopped early or not, the trainer holds them; the optimizer state, the global step and
     the RNG stay the training's own. This runs after the checkpoint hook's end-of-run save
     (at `Priority.CHECKPOINT + 1`), so the last checkpoint holds the true last training

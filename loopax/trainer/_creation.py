@@ -255,6 +255,8 @@ class StateCreator:
             rng=rng,
             train_metrics=steps.fresh_train_metrics(),
             loss_scale=steps.fresh_loss_scale(),
+            # The average starts at the initial parameters (a copy: its own buffers).
+            ema_params=None if steps.config.ema_decay is None else jax.tree.map(jnp.copy, params),
         )
 
     def _verify_loaded_state(self, steps: StepBuilder, spec: Any, inputs: list[Any]) -> None:

@@ -134,8 +134,8 @@ class Layout:
     def spec_tree(self, state: TrainState) -> TrainState:
         """A tree like `state` of `PartitionSpec`, from the layout.
 
-        Parameters and model state by path; an optimizer state leaf like the parameter it
-        mirrors (the same path ending and shape); every other leaf replicated.
+        Parameters, their EMA and model state by path; an optimizer state leaf like the
+        parameter it mirrors (the same path ending and shape); every other leaf replicated.
         """
         params = {path[1:]: entry for path, entry in self.specs.items() if path[0] == "params"}
 
@@ -157,6 +157,7 @@ class Layout:
             params=tree_of(state.params, params),
             opt_state=tree_of(state.opt_state, params, suffix=True),
             model_state=tree_of(state.model_state, model_state),
+            ema_params=None if state.ema_params is None else tree_of(state.ema_params, params),
         )
 
     def param_shardings(self, params: Any) -> Any:

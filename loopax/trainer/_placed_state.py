@@ -20,7 +20,7 @@ from ..optimizers._learning_rate import (
     set_learning_rate,
 )
 from ._models import NnxModel
-from ._state import TrainState, from_plain, state_from_tree, to_plain, tree_paths
+from ._state import TrainState, from_plain, state_from_tree, to_plain, tree_paths, with_ema
 
 if TYPE_CHECKING:
     import optax
@@ -158,10 +158,12 @@ class PlacedState:
         """Replaces the state with `tree`; see `Trainer.load_state_dict`.
 
         Before the first batch, the state is built from `tree` with `steps`' fresh train
-        metrics and loss scale, and its source is kept for `take_unverified`.
+        metrics and loss scale, and its source is kept for `take_unverified`. A tree without
+        EMA weights starts them at its parameters when `steps` keep them (see `with_ema`).
         """
         if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
             raise ValueError(f"{where} is not a loopax train state: it has no 'params' dict")
+        tree = with_ema(tree, steps.config.ema_decay is not None)
         if self.placed is not None:
             self.state = from_plain(self.state, tree, where)
             return

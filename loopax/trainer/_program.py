@@ -192,7 +192,7 @@ TRAIN_STEPS_GATHERED = Program(
 EVAL = Program(
     name="eval",
     graph_type="eval",
-    body=operator.attrgetter("eval"),
+    body=operator.attrgetter("evaluation.eval"),
     replicated=2,  # the train state and the running eval metric states
     sharded=2,
     donate=(1,),
@@ -204,7 +204,7 @@ EVAL = Program(
 EVAL_WHOLE = dataclasses.replace(EVAL, split_batch=False)
 EVAL_UNEVEN = dataclasses.replace(
     EVAL,
-    body=operator.attrgetter("eval_uneven"),
+    body=operator.attrgetter("evaluation.eval_uneven"),
     sharded=None,  # 3 pieces, or 5 when the batch has a part the devices divide
     arguments=_pieces,
     model_inputs=_first_piece,
@@ -228,7 +228,7 @@ EVAL_MASKED = dataclasses.replace(EVAL_UNEVEN, arguments=_masked, model_inputs=_
 PREDICT = Program(
     name="predict",
     graph_type="predict",
-    body=operator.attrgetter("predict"),
+    body=operator.attrgetter("evaluation.predict"),
     replicated=1,
     sharded=1,
     donate=(),

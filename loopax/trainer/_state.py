@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..metrics._loss_average import LossMovingAverage
@@ -34,6 +35,8 @@ class TrainState:
         compiled train metrics under theirs.
       loss_scale: the dynamic loss scale's state (float32[3]: scale, finite steps in a
         row, overflows skipped) with `Trainer(loss_scale="dynamic")`, else None (no leaf).
+      ema_params: the exponential moving average of `params` with
+        `Trainer(ema_decay=...)`, else None (no leaf).
     """
 
     step: jax.Array | np.ndarray
@@ -43,10 +46,16 @@ class TrainState:
     rng: jax.Array | np.ndarray
     train_metrics: dict[str, Any]
     loss_scale: Any = None
+    ema_params: Any = None
 
     if TYPE_CHECKING:
         # Added at runtime by `flax.struct.dataclass`; declared for type checkers only.
         def replace(self, **changes: Any) -> TrainState: ...
+
+
+def eval_params(state: TrainState) -> Any:
+    """The parameters evaluation and prediction use: the EMA weights when kept, else `params`."""
+    return state.params if state.ema_params is None else state.ema_params
 
 
 def _key_name(key: Any) -> str:
@@ -177,5 +186,23 @@ def state_from_tree(
         rng=np.zeros((2,), np.uint32),
         train_metrics=fresh_train_metrics,
         loss_scale=loss_scale,
+        ema_params=params if "ema_params" in tree else None,
     )
     return from_plain(template, tree, where)
+
+
+def with_ema(tree: dict, keeps_ema: bool) -> dict:
+    """A plain state `tree` for a trainer that keeps EMA weights (`keeps_ema`) or not.
+
+    A state saved without them starts the average at its parameters; one saved with them
+    loses them in a trainer that keeps none.
+    """
+    if keeps_ema and "ema_params" not in tree:
+        # Copies: the steps donate the state's buffers, so no two leaves may share one.
+        def copy(leaf: Any) -> Any:
+            return jnp.copy(leaf) if isinstance(leaf, jax.Array) else np.array(leaf)
+
+        return {**tree, "ema_params": jax.tree.map(copy, tree["params"])}
+    if not keeps_ema and "ema_params" in tree:
+        return {name: value for name, value in tree.items() if name != "ema_params"}
+    return tree

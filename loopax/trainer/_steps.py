@@ -14,15 +14,10 @@ import jax.numpy as jnp
 import optax
 
 from ..metrics._loss_average import LossMovingAverage
-from ..metrics._mean import (
-    MeanState,
-    add_mean_states,
-    batch_size_of,
-    mean_of,
-    zero_mean_state,
-)
+from ..metrics._mean import zero_mean_state
 from ._collectives import Collectives
-from ._host_metrics import HostMetrics, merge_step_values
+from ._eval_steps import MEAN_LOSS, EvalBodies
+from ._host_metrics import HostMetrics
 from ._models import explained_model_errors
 from ._parallel import Strategy
 from ._precision import (
@@ -44,7 +39,6 @@ MOVING_AVERAGE_LOSS = LossMovingAverage.name
 SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
 OVERFLOW_STEPS = "overflow_steps"  # with dynamic loss scaling: its skips of them
 LOSS_SCALE = "loss_scale"  # with `loss_scale`
-MEAN_LOSS = "mean_loss"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +63,8 @@ class StepConfig:
       accumulate: the train step's inputs carry a leading axis of micro-batches.
       compute_dtype: the dtype the model computes in (None: the parameters' float32).
       loss_scale: None, a static scale, or `"dynamic"`.
+      ema_decay: keep `TrainState.ema_params`, the parameters' exponential moving average
+        with this decay; None: none.
     """
 
     loss_fn: LossFn | None
@@ -85,6 +81,7 @@ class StepConfig:
     accumulate: bool = False
     compute_dtype: Any = None
     loss_scale: float | str | None = None
+    ema_decay: float | None = None
 
     @property
     def dynamic_scale(self) -> bool:
@@ -136,6 +133,7 @@ class StepBuilder:
         # compile a program per operation at a process's first run and evaluation.
         self.fresh_train_metrics: Callable[[], dict[str, Any]] = jax.jit(self._train_metrics)
         self.fresh_eval_metrics: Callable[[], dict[str, Any]] = jax.jit(self._eval_metrics)
+        self.evaluation = EvalBodies(self)  # the eval and predict bodies
 
     def _train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
@@ -165,7 +163,7 @@ class StepBuilder:
         params_key, dropout_key = jax.random.split(key)
         return {"params": params_key, "dropout": dropout_key}
 
-    def _loss(self, labels, predictions, added_loss) -> jax.Array:
+    def loss_of(self, labels, predictions, added_loss) -> jax.Array:
         loss_fn = self.config.loss_fn
         if loss_fn is None and added_loss is None:
             raise ValueError(
@@ -187,7 +185,7 @@ class StepBuilder:
             total = total + added_loss.astype(jnp.float32)
         return total
 
-    def _apply(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
+    def apply_model(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
         """The model on one shard: `(predictions, added loss, new model state)`.
 
         The predictions are in float32 whatever the compute dtype.
@@ -244,10 +242,10 @@ class StepBuilder:
         pmean = self.collectives.pmean
 
         def objective(params):
-            predictions, added_loss, new_model_state = self._apply(
+            predictions, added_loss, new_model_state = self.apply_model(
                 state.step, model_state, params, spec, rng, inputs, True, micro
             )
-            local_loss = self._loss(labels, predictions, added_loss)
+            local_loss = self.loss_of(labels, predictions, added_loss)
             value = strategy.gradient_objective(local_loss, pmean)
             if scale is not None:
                 value = value * scale
@@ -348,6 +346,12 @@ class StepBuilder:
                 user_states = keep(user_states, self._user_states(state))
             if config.dynamic_scale:
                 loss_scale = next_dynamic_scale(state.loss_scale, grads_finite, loss_finite)
+        ema = state.ema_params
+        if config.ema_decay is not None:  # after each optimizer step; a skipped one keeps it
+            decay = config.ema_decay
+            ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
+            if ok is not None:
+                ema = jax.tree.map(lambda n, o: jnp.where(ok, n, o), ema, state.ema_params)
         loss_average = self.loss_average.add_loss(
             state.train_metrics[MOVING_AVERAGE_LOSS], loss, average_ok, None if ok is None else ~ok
         )
@@ -376,6 +380,7 @@ class StepBuilder:
             model_state=new_model_state,
             train_metrics={MOVING_AVERAGE_LOSS: loss_average, **user_states},
             loss_scale=loss_scale,
+            ema_params=ema,
         )
         return new_state, values
 
@@ -405,92 +410,3 @@ class StepBuilder:
             # A host metric's StepValues of every step, folded into one step's.
             last[metric.name] = values[metric.name].of_micro_batches()
         return state, (stacked, last)
-
-    def predict(self, spec, rng, state: TrainState, inputs):
-        """Per-device: the model's predictions (eval mode) for this device's shard."""
-        predictions, _, _ = self._apply(
-            state.step, state.model_state, state.params, spec, rng, inputs, False
-        )
-        return predictions
-
-    def eval(self, spec, rng, state: TrainState, metric_states, inputs, labels):
-        """Per-device: updates the running eval metrics with this device's shard."""
-        partials = self._eval_partials(spec, rng, state, inputs, labels)
-        return self._accumulate_eval(metric_states, partials)
-
-    def eval_uneven(
-        self,
-        spec,
-        rng,
-        state: TrainState,
-        metric_states,
-        padded_inputs,
-        padded_labels,
-        valid,
-        inputs=None,
-        labels=None,
-    ):
-        """Per-device: `eval` for a batch that the devices do not divide.
-
-        The batch comes in two pieces: `inputs`/`labels`, its largest part the devices
-        divide (None when it is smaller than the device count), and its r remaining
-        examples padded to one per device, `padded_inputs`/`padded_labels`, with `valid`
-        (`[bool[1]]`) saying whether this device's example is real. A padding example's
-        loss and metric partials are computed but left out of every merge, so metrics
-        need not be mask-aware; the two pieces' partials merge into the batch's, which
-        is accumulated once, as one batch.
-        """
-        partials = self._eval_partials(spec, rng, state, padded_inputs, padded_labels, valid[0][0])
-        if inputs is not None:
-            divisible = self._eval_partials(spec, rng, state, inputs, labels)
-            merges = {
-                MEAN_LOSS: add_mean_states,
-                **{m.name: m.merge for m in self.config.eval_metrics},
-                # host metrics' step values concatenate
-                **{m.name: merge_step_values for m in self.config.host_eval.metrics},
-            }
-            partials = {
-                name: merge(divisible[name], partials[name]) for name, merge in merges.items()
-            }
-        return self._accumulate_eval(metric_states, partials)
-
-    def _eval_partials(self, spec, rng, state, inputs, labels, valid=None) -> dict:
-        """The merged partials of the mean loss and the eval metrics over all devices' shards.
-
-        By metric name, the host metrics' step values included. Given `valid`, over those
-        shards whose `valid` is True.
-        """
-        predictions, added_loss, _ = self._apply(
-            state.step, state.model_state, state.params, spec, rng, inputs, False
-        )
-        local_loss = self._loss(labels, predictions, added_loss)
-        # The example-weighted mean of the batch losses, as `metrics.Mean` keeps it.
-        weight = jnp.asarray(batch_size_of(predictions), jnp.float32)
-        loss_partial = self.collectives.merge(
-            add_mean_states, MeanState(local_loss * weight, weight), valid
-        )
-        return {
-            MEAN_LOSS: loss_partial,
-            **{
-                metric.name: self.collectives.merge(
-                    metric.merge, metric.update(labels, predictions), valid
-                )
-                for metric in self.config.eval_metrics
-            },
-            **self.config.host_eval.step_values(labels, predictions, valid),  # host metrics'
-        }
-
-    def _accumulate_eval(self, metric_states: dict, partials: dict) -> tuple[dict, dict]:
-        """The eval metric states after a batch's `partials`, and their values, by name."""
-        metrics = self.config.eval_metrics
-        states = {
-            MEAN_LOSS: add_mean_states(metric_states[MEAN_LOSS], partials[MEAN_LOSS]),
-            **{m.name: m.accumulate(metric_states[m.name], partials[m.name]) for m in metrics},
-        }
-        values = {
-            MEAN_LOSS: mean_of(states[MEAN_LOSS]),
-            **{m.name: m.compute(states[m.name]) for m in metrics},
-            # host metrics' step values
-            **{m.name: partials[m.name] for m in self.config.host_eval.metrics},
-        }
-        return states, values

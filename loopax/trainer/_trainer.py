@@ -31,6 +31,7 @@ from ._trainer_args import (
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
     check_callables,
+    check_ema_decay,
     check_metrics,
     step_config,
 )
@@ -45,63 +46,57 @@ class Trainer:
     - a `flax.linen.Module` instance, called as `module(*inputs)`, with `train=`,
       `training=` or `deterministic=` set for train and eval steps when it takes one;
     - a `flax.nnx.Module` instance, called as `module(*inputs)`: its `nnx.Param`s are
-      trained, its other variables (`BatchStat`, ...) are model state averaged across
-      devices, its `nnx.Rngs` streams are derived per step and device from `seed`, and it
-      runs in `train()`/`eval()` mode in train/eval steps; `nnx_module()` gives it back
-      holding the trained values.
+      trained, its other variables are model state averaged across devices, its
+      `nnx.Rngs` streams derived per step and device from `seed`; `nnx_module()` gives it
+      back holding the trained values.
 
     Args:
       model: the model function or module.
       loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
         or None when the model adds its losses with `ctx.add_loss`.
       optimizer: an `optax.GradientTransformation`.
-      train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every
-        train step.
-      eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects updated in every eval
-        step.
+      train_metrics, eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects
+        updated in every train (eval) step.
       seed: seeds parameter initialization and the per-step RNG.
       init_params: start from these parameters (nested dicts of arrays, e.g.
-        `loopax.load_params(directory)`) instead of fresh ones; they must have the model's
-        structure and shapes. To keep some fixed, mask the optimizer
-        (`optax.multi_transform`).
+        `loopax.load_params(directory)`), or variables (`loopax.load_variables(directory)`:
+        the BatchNorm statistics too), instead of fresh ones; they must have the model's
+        structure and shapes. The trainer then predicts and evaluates before any step. To
+        keep some fixed, mask the optimizer (`optax.multi_transform`).
       devices: the devices to split each batch over; default all of `jax.devices()`.
       parallel: `"shard_map"` (default: `jax.jit` of `jax.shard_map` over a 1-D mesh) or
         `"pmap"` (literal `jax.pmap` over local devices).
       mesh: None (1-D data parallel), a dict of axis sizes such as `{"data": 2, "model":
         2}` (one may be -1), or a `jax.sharding.Mesh` with Auto axes. With `mesh`, `rules`
-        or `fsdp` a step is one `jax.jit` over the global batch, split over `"data"`, with
-        sharded state (global `jax.Array`s; `sharding_report()`): results equal one
-        device's, dropout included; `ctx.axis_name` is None (batch statistics are global).
+        or `fsdp` a step is one `jax.jit` over the global batch split over `"data"`, with
+        sharded state (`sharding_report()`), equal to one device's; `ctx.axis_name` is None.
       rules: `(logical_name, mesh_axis or None)` pairs for annotated variables
         (`nn.with_logical_partitioning`, `nnx.with_partitioning`, `ctx.variable(axes=)`).
       fsdp: shard each parameter of rank >= 2 that no annotation shards over `"data"`,
         along its largest dimension that divides; optimizer state follows its parameter.
-      max_executors: how many compiled steps to keep; the least recently used is evicted
-        past it, with a warning.
-      accumulate_steps: micro-batches per optimizer step (gradient accumulation). With K >
-        1, `train_step` takes each input and label with a leading axis of k <= K
-        micro-batches, shape `(k, batch, ...)` (the Loop stacks K consecutive batches of
-        its dataset), and runs them in one compiled `lax.scan`: the activations of one
-        micro-batch at a time, the gradient the mean of the micro-batches' (as one batch
-        k times larger), one optimizer update, one global step. The returned loss is the
-        mean over the micro-batches; train metrics are updated with every micro-batch.
-      compute_dtype: `jnp.bfloat16` or `jnp.float16`: the model computes in it (floating
-        parameters and inputs are cast at each step) while parameters and optimizer state
-        stay float32; predictions are cast to float32 before the loss and metrics. None
-        (default) computes in the parameters' dtype.
-      loss_scale: with a reduced `compute_dtype`, `"dynamic"` scales the loss before
-        differentiation (starting at 2**15): a step whose gradients overflow is skipped
-        and the scale halved; it doubles after 2000 finite steps in a row. The scale is in
-        the train state (checkpointed) and the train metrics report `"loss_scale"` and
-        `"skipped_steps"`. A positive number is a static scale. None: no scaling.
+      max_executors: how many compiled steps to keep (the least recently used is evicted).
+      accumulate_steps: micro-batches per optimizer step (gradient accumulation): with K >
+        1, `train_step` takes inputs and labels with a leading axis of k <= K micro-batches
+        (the Loop stacks K batches) and runs them in one `lax.scan`, one micro-batch's
+        activations at a time: the gradient is their mean, one update, one global step.
+      compute_dtype: `jnp.bfloat16` or `jnp.float16`: the model computes in it while
+        parameters and optimizer state stay float32; predictions are cast to float32 before
+        the loss and metrics. None (default): the parameters' dtype.
+      loss_scale: with a reduced `compute_dtype`, `"dynamic"` scales the loss (from 2**15):
+        a step whose gradients overflow is skipped and the scale halved; it doubles after
+        2000 finite steps in a row (train metrics `"loss_scale"`, `"overflow_steps"`). A
+        positive number is a static scale. None: no scaling.
+      ema_decay: keep an exponential moving average of the parameters in the compiled
+        step, `ema = ema_decay * ema + (1 - ema_decay) * params` after each optimizer step
+        (a skipped step leaves it), from the initial parameters; `ema_params` reads it,
+        checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
 
     Raises:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
         optax transformation, or a metric not following the Metric protocol.
-      ValueError: duplicate metric names, unknown `parallel`, empty `devices`, a bad
-        `accumulate_steps`, `compute_dtype`, `loss_scale`, `mesh` or `rules`; at the first
-        step, a model with no trainable parameters, `init_params` not fitting the model
-        (naming the first differing entry and both shapes), or an unmatched rule.
+      ValueError: duplicate metric names, an argument out of its range (naming it); at
+        the first step, a model with no trainable parameters, `init_params` not fitting
+        the model (naming the first differing entry and both shapes), an unmatched rule.
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -135,6 +130,7 @@ class Trainer:
         mesh: Any = None,
         rules: Sequence[tuple[str, str | None]] | None = None,
         fsdp: bool = False,
+        ema_decay: float | None = None,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
         adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
@@ -143,6 +139,7 @@ class Trainer:
         dtype = check_compute_dtype(compute_dtype)
         self.compute_dtype = dtype_name(dtype)
         self.loss_scale = check_loss_scale(loss_scale, dtype)
+        self.ema_decay = check_ema_decay(ema_decay)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -150,7 +147,8 @@ class Trainer:
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
-                             strategy, self.accumulate_steps, dtype, self.loss_scale)  # fmt: skip
+                             strategy, self.accumulate_steps, dtype, self.loss_scale,
+                             self.ema_decay)  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
@@ -170,6 +168,12 @@ class Trainer:
         """The trainable parameters, or None before the first step."""
         state = self.state
         return None if state is None else state.params
+
+    @property
+    def ema_params(self) -> Any:
+        """The parameters' moving average (`ema_decay`); None without one or before a state."""
+        state = self.state
+        return None if state is None else state.ema_params
 
     @property
     def train_metric_names(self) -> tuple[str, ...]:
@@ -212,18 +216,16 @@ class Trainer:
     def skip_non_finite_steps(self, enabled: bool = True) -> None:
         """Compiles train steps that skip an update whose loss or gradient is not finite.
 
-        A skipped step leaves the parameters, optimizer state, model state and train
-        metric states unchanged (the global step still advances), and `train_step` then
-        also returns `"skipped_steps"`: the steps skipped since the train metrics were last
-        reset. `hooks.nan_guard` turns this on. Compiled steps are dropped.
+        A skipped step changes no parameter, optimizer, model, EMA or metric state (the
+        global step still advances); `train_step` then also returns `"skipped_steps"` (since
+        the train metrics' last reset). `hooks.nan_guard` turns it on; compiled steps drop.
         """
         self._programs.skip_non_finite(bool(enabled))
 
     def add_per_step_update(self, fn: Callable[[Any], Any]) -> None:
         """Adds `fn(params) -> params`, compiled into the train step after the update.
 
-        Use it for constraints and projections. Compiled steps are dropped so the next
-        step compiles with it.
+        For constraints and projections; compiled steps are dropped.
 
         Raises:
           TypeError: `fn` is not callable.
@@ -235,10 +237,7 @@ class Trainer:
         self._programs.add_exec_handler(handler)
 
     def add_state_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
-        """Calls `fn(state) -> state` when the state is created (now, if it exists).
-
-        Checkpoint restoration uses it: the first batch shows the state's structure.
-        """
+        """Calls `fn(state) -> state` when the state is created (now, if it exists)."""
         self._placed.add_initializer(fn)
 
     def executors(self) -> list[Executor]:
@@ -276,8 +275,7 @@ class Trainer:
     def summary(self) -> str:
         """Every parameter's path, shape, dtype, count and bytes, then totals (Keras's summary).
 
-        On a mesh also each one's partition spec and bytes per device. The parameters exist
-        after the first step (or with `init_params`, or a restored checkpoint).
+        On a mesh also each one's partition spec and bytes per device.
         """
         state = self.state
         if state is None:

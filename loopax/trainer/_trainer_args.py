@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._devices import AXIS
 from ._host_metrics import is_host_metric, split_host_metrics
 from ._steps import (
@@ -72,6 +74,7 @@ def step_config(
     accumulate_steps: int,
     compute_dtype: Any,
     loss_scale: Any,
+    ema_decay: float | None,
 ) -> StepConfig:
     """The step bodies' first config; host metrics (`HostMetric`) split from compiled ones.
 
@@ -93,4 +96,27 @@ def step_config(
         accumulate=accumulate_steps > 1,
         compute_dtype=compute_dtype,
         loss_scale=loss_scale,
+        ema_decay=ema_decay,
     )
+
+
+def check_ema_decay(ema_decay: Any) -> float | None:
+    """`ema_decay` as a float in [0, 1), or None.
+
+    Raises:
+      TypeError: not a number.
+      ValueError: outside [0, 1).
+    """
+    if ema_decay is None:
+        return None
+    if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float, np.floating)):
+        raise TypeError(
+            f"ema_decay must be a number in [0, 1) such as 0.999, or None; got "
+            f"{type(ema_decay).__name__}"
+        )
+    if not 0.0 <= float(ema_decay) < 1.0:
+        raise ValueError(
+            f"ema_decay must be in [0, 1) (the weight of the average at each step, e.g. 0.999 "
+            f"to average over ~1000 steps); got {ema_decay}"
+        )
+    return float(ema_decay)
