@@ -8,7 +8,9 @@
 Attached: progress bar, Orbax checkpoints (resume on restart, the best by validation loss
 kept), evaluation of a validation and the test split every 100 steps, early stopping on the
 validation loss (the best parameters restored at the end), the learning rate halved on a
-plateau, TensorBoard, a CSV log, plots, and a report at the end. The last line printed is
+plateau, TensorBoard, a CSV log, plots, throughput (steps/s, examples/s, FLOPs), and a report
+at the end. The Trainer keeps an exponential moving average of the parameters
+(`ema_decay`), which every evaluation and the report use. The last line printed is
 `test accuracy: 0.9xx`.
 """
 
@@ -32,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default="runs/digits", help="checkpoints, logs and plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ema-decay",
+        type=float,
+        default=0.99,
+        help="decay of the parameters' moving average, which evaluations use (0: none)",
+    )
     parser.add_argument(
         "--accumulate-steps", type=int, default=1, help="micro-batches per optimizer step"
     )
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> float:
         accumulate_steps=args.accumulate_steps,
         compute_dtype=None if args.compute_dtype == "float32" else args.compute_dtype,
         loss_scale="dynamic" if args.compute_dtype == "float16" else None,
+        ema_decay=args.ema_decay or None,  # evaluations use the average of the parameters
     )
     loop = loopax.Loop(trainer)
     compiling = []  # seconds each program took to compile (near 0 when JAX's cache had it)
@@ -206,8 +215,11 @@ def main(argv: list[str] | None = None) -> float:
     hooks.tensorboard(loop, os.path.join(args.dir, "tensorboard"))
     hooks.metrics_log(loop, os.path.join(args.dir, "metrics.csv"))
     hooks.plot(loop, os.path.join(args.dir, "plots"))
+    hooks.throughput(loop, every_n_steps=100)  # into TensorBoard, the CSV log and history
     loop.run_to_step(train, args.steps)  # early stopping prints its line if it stops
     checkpointer.wait()
+    if "train/examples_per_second" in loop.history.keys():  # none in a run too short to time
+        print(f"throughput: {loop.history['train/examples_per_second'][-1][1]:,.0f} examples/s")
     hooks.report_eval(trainer, train_eval, val, test)
     accuracy = trainer.evaluate(test)["Accuracy"]
     print(f"test accuracy: {accuracy:.3f}")

@@ -132,5 +132,7 @@ def test_what_does_not_fit_is_named(tmp_path):
         wider.predict(X[TEST])
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="holds .notes.txt., which is not part of a loopax checkpoint"):
+    with pytest.raises(
+        ValueError, match="holds .notes.txt., which is not part of a loopax checkpoint"
+    ):
         loopax.load_variables(tmp_path / "other")

@@ -55,8 +55,8 @@ class Trainer:
       loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
         or None when the model adds its losses with `ctx.add_loss`.
       optimizer: an `optax.GradientTransformation`.
-      train_metrics, eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects
-        updated in every train (eval) step.
+      train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for train steps.
+      eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for eval steps.
       seed: seeds parameter initialization and the per-step RNG.
       init_params: start from these parameters (nested dicts of arrays, e.g.
         `loopax.load_params(directory)`), or variables (`loopax.load_variables(directory)`:
