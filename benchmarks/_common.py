@@ -273,11 +273,13 @@ def loopax_loop(
     parallel: str = "shard_map",
     dataset: Any = None,
     model: Any = None,
+    **trainer_options: Any,
 ) -> Run:
     """Loopax's `Loop.run_steps` over the cycling batches, with `attach(loop)` hooks.
 
     It reads `dataset` instead when given (e.g. an `ArrayDataset` of numpy arrays) and trains
-    `model` (a model function, a Linen or an NNX module; default: the workload's model function).
+    `model` (a model function, a Linen or an NNX module; default: the workload's model function);
+    `trainer_options` go to the `Trainer` (e.g. `ema_decay=0.999`).
     """
     trainer = loopax.Trainer(
         workload.model_fn if model is None else model,
@@ -285,6 +287,7 @@ def loopax_loop(
         workload.optimizer(),
         devices=list(devices) if devices is not None else jax.devices()[:1],
         parallel=parallel,
+        **trainer_options,
     )
     loop = loopax.Loop(trainer)
     if attach is not None:

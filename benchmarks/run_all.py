@@ -41,6 +41,8 @@ The lm section (issue 25, `bench_lm.py`): the character transformer of
 a hand-written `jax.jit` step: a hand-written `lax.scan` of 8 steps, loopax per step and fused
 with K=8 on on-device data, and bfloat16 on both sides; then, one fresh process per candidate
 with the compilation caches off, the seconds a run waits for compiling and its peak memory.
+The ema section (issue 23, `bench_ema.py`), on both workloads: the bare Loop with
+`Trainer(ema_decay=0.999)` against the same Loop without it (target >= 0.97: within 3%).
 
 Details that matter for reading the figures:
 - The README-hooks row times the steps with their per-step hooks, up to the first OnEnd
@@ -78,7 +80,7 @@ to round; a ratio is the median over rounds of the paired per-round ratio of ste
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
 Run: python benchmarks/run_all.py [--quick]
-       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend,lm]
+       [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend,lm,ema]
        [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
@@ -114,6 +116,7 @@ SECTIONS = (
     "restart",
     "runend",
     "lm",
+    "ema",
 )
 DEVICE_COUNT = 4
 
@@ -844,7 +847,7 @@ def main() -> None:
         "--only",
         default=",".join(SECTIONS),
         help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
-        "shuffled, fsdp, restart, runend, lm (keras alone runs the Keras rows on both "
+        "shuffled, fsdp, restart, runend, lm, ema (keras alone runs the Keras rows on both "
         "workloads; fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device "
         "data, issue 25; lm: the transformer LM of examples/transformer_lm.py)",
     )
@@ -908,6 +911,11 @@ def main() -> None:
         progress("lm: starting")
         lm = bench_lm.sections(args.quick, args.rounds, on_round=round_progress("lm"))
         sections += [("lm", section) for section in lm]
+    if "ema" in only:
+        import bench_ema  # noqa: PLC0415
+
+        progress("ema: starting")
+        sections += bench_ema.sections(args, on_round=round_progress)
     print_table(sections, started, load_before)
 
 
