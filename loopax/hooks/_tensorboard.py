@@ -1,7 +1,8 @@
 """`tensorboard`: TensorBoard event files written with the `tensorboard` package alone.
 
 TensorFlow is never imported: events are built from the protos in `tensorboard.compat.proto`
-and written by `EventFileWriter` in a background thread, so the loop never waits on disk.
+and written to an event file (`_event_file.EventFile`) in a background thread, so the loop
+never waits on disk.
 `TensorBoardWriter` is a `MetricWriter`: `write_metrics` feeds it, with the keys every
 writer uses (`train/loss`, `eval/test/Accuracy`, ...).
 """
@@ -26,6 +27,7 @@ from .. import _validate
 from .._validate import positive_int
 from ..loop import Loop, Priority
 from ..trainer import Trainer
+from ._event_file import EventFile
 from ._metric_info import is_writer_process
 from ._schedules import EveryNSteps, FirstNSteps
 from ._writers import MetricWriter, Waiter, write_metrics
@@ -98,15 +100,28 @@ def _scalar_summary(values: dict[str, Any]) -> Any:
 
 
 def _text_summary(tag: str, text: str) -> Any:
-    from tensorboard.plugins.text import summary_v2
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorboard.plugins.text import metadata
 
-    return summary_v2.text_pb(tag, text)
+    # As the text plugin's `text_pb` builds it, without its `tensor_util` (whose import
+    # loads TensorBoard's TensorFlow stub): a scalar string tensor.
+    tensor = tensor_pb2.TensorProto(  # pyright: ignore[reportAttributeAccessIssue]
+        dtype=types_pb2.DT_STRING,  # pyright: ignore[reportAttributeAccessIssue]
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(),  # pyright: ignore[reportAttributeAccessIssue]
+        string_val=[text.encode("utf-8")],
+    )
+    summary = summary_pb2.Summary()  # pyright: ignore[reportAttributeAccessIssue]
+    summary.value.add(
+        tag=tag,
+        metadata=metadata.create_summary_metadata(display_name=None, description=None),
+        tensor=tensor,
+    )
+    return summary
 
 
 def _histogram_summary(values: dict[str, Any]) -> Any:
-    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
     from tensorboard.plugins.histogram import metadata
-    from tensorboard.util import tensor_util
 
     # A protobuf-generated module without type stubs: pyright cannot see its classes.
     summary = summary_pb2.Summary()  # pyright: ignore[reportAttributeAccessIssue]
@@ -118,10 +133,16 @@ def _histogram_summary(values: dict[str, Any]) -> Any:
         else:
             counts, edges = np.histogram(data, bins=_HISTOGRAM_BUCKETS)
             buckets = np.stack([edges[:-1], edges[1:], counts.astype(np.float64)], axis=1)
+        dims = [tensor_shape_pb2.TensorShapeProto.Dim(size=n) for n in buckets.shape]  # pyright: ignore[reportAttributeAccessIssue]
+        tensor = tensor_pb2.TensorProto(  # pyright: ignore[reportAttributeAccessIssue]
+            dtype=types_pb2.DT_DOUBLE,  # pyright: ignore[reportAttributeAccessIssue]
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=dims),  # pyright: ignore[reportAttributeAccessIssue]
+            tensor_content=np.ascontiguousarray(buckets, "<f8").tobytes(),
+        )
         summary.value.add(
             tag=tag,
             metadata=metadata.create_summary_metadata(display_name=None, description=None),
-            tensor=tensor_util.make_tensor_proto(buckets, dtype=np.float64),
+            tensor=tensor,
         )
     return summary
 
@@ -154,7 +175,7 @@ class TensorBoardWriter(MetricWriter):
         self._open_error: BaseException | None = None
         self._open_error_reported = False
         self._thread: threading.Thread | None = None
-        self._writer: Any = None
+        self._writer: EventFile | None = None
         self._closed = False
 
     # -- caller's side --------------------------------------------------------------------
@@ -256,47 +277,49 @@ class TensorBoardWriter(MetricWriter):
 
     # -- writer thread --------------------------------------------------------------------
 
-    def _open(self) -> tuple[Any, Any]:
-        """Writer thread: TensorBoard's event protos and the event file's writer.
+    def _open(self) -> tuple[Any, EventFile | None]:
+        """Writer thread: TensorBoard's event protos and the event file.
 
         `(None, None)` when they could not be had (the error is kept for the loop).
         """
         try:
             from tensorboard.compat.proto import event_pb2
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            return event_pb2, EventFileWriter(
-                self.logdir,
-                # Its own writer thread takes the events through a queue; at TensorBoard's
-                # default of 10 a batch of writes waits on that thread at every 10th event.
-                max_queue_size=_EVENT_QUEUE_SIZE,
-                # Annotated as int, but only compared with times: a float works.
-                flush_secs=self._flush_seconds,  # pyright: ignore[reportArgumentType]
-            )
+            return event_pb2, EventFile(self.logdir, event_pb2)
         except BaseException as err:  # reported to the loop at its next write, and after
             self._open_error = err
             return None, None
 
     def _work(self) -> None:
         event_pb2, self._writer = self._open()
+        flush_due = None  # when written events are next flushed, while some are not
         while True:
-            kind, payload = self._queue.get()
+            timeout = None if flush_due is None else max(0.0, flush_due - time.monotonic())
+            kind: str
+            payload: Any
             try:
-                if kind == "batch":
-                    self._write(event_pb2, payload)
-                elif kind == "close":
-                    if self._writer is not None:
-                        self._writer.close()
-                    return
-                elif kind == "flush":
-                    try:
-                        if self._writer is not None:
-                            self._writer.flush()
-                    except BaseException as err:
-                        self._error = err
-                    payload.set()
-            finally:
+                kind, payload = self._queue.get(timeout=timeout)
+            except queue.Empty:  # the periodic flush
+                kind, payload = "flush", None
+            else:
                 self._queue.task_done()
+            if kind == "batch":
+                self._write(event_pb2, payload)
+                if flush_due is None:
+                    flush_due = time.monotonic() + self._flush_seconds
+            elif kind == "close":
+                if self._writer is not None:
+                    self._writer.close()
+                return
+            elif kind == "flush":
+                flush_due = None
+                try:
+                    if self._writer is not None:
+                        self._writer.flush()
+                except BaseException as err:
+                    self._error = err
+                if payload is not None:
+                    payload.set()
 
     def _write(self, event_pb2: Any, items: list[tuple[str, int, Any]]) -> None:
         """Writer thread: reads a batch's device values at once, then writes its events."""
@@ -320,7 +343,7 @@ class TensorBoardWriter(MetricWriter):
                     event = event_pb2.Event(
                         wall_time=time.time(), step=step, summary=builders[kind](payload)
                     )
-                self._writer.add_event(event)
+                self._writer.add(event)
         except BaseException as err:  # reported to the loop at its next write
             self._error = err
 

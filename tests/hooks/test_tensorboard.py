@@ -238,3 +238,58 @@ def test_an_event_file_that_cannot_be_opened_fails_the_run_naming_the_logdir(tmp
     )
     with pytest.raises(RuntimeError, match="NotADirectoryError"):  # and at every later write
         loop.run_steps(make_data(loop_forever=True), 3)
+
+
+def test_event_records_carry_tensorflow_s_masked_crc32c():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from loopax.hooks._event_file import crc32c, record
+    from loopax.hooks._event_file import masked_crc32c as ours
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    rng = np.random.default_rng(0)
+    for data in [b"", b"a", rng.bytes(100), rng.bytes(4096)]:
+        assert ours(data) == masked_crc32c(data)
+    framed = record(b"xyz")
+    assert len(framed) == 8 + 4 + 3 + 4 and framed[12:15] == b"xyz"
+
+
+def test_written_events_reach_the_disk_every_flush_seconds_without_a_flush(tmp_path):
+    writer = loopax.hooks.TensorBoardWriter(tmp_path, flush_seconds=0.05, max_pending=1)
+    writer.write_scalars(3, {"train/loss": 0.5})
+    deadline = time.monotonic() + 60  # the periodic flush comes after 0.05 s; never hang
+    while time.monotonic() < deadline:
+        scalars = read_events(tmp_path).Tags()["scalars"]
+        if scalars:
+            break
+        time.sleep(0.05)
+    assert scalars == ["train/loss"]
+    assert read_events(tmp_path).Scalars("train/loss")[0].step == 3
+    writer.close()
+
+
+def test_a_process_writing_events_never_imports_tensorboard_s_tensorflow_stub(tmp_path):
+    # Importing TensorBoard's own event writer loads its TensorFlow stub and fsspec: ~0.35 s
+    # of CPU in every process that logs (a resumed job waits for some of it).
+    script = f"""
+import sys
+sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+from observability_helpers import make_data, make_trainer
+import loopax
+from loopax import hooks
+
+loop = loopax.Loop(make_trainer())
+hooks.tensorboard(loop, {str(tmp_path / "tb")!r}, every_n_steps=2, histograms_every_n_steps=2)
+loop.run_steps(make_data(loop_forever=True), 4)
+loaded = [m for m in sys.modules if m.startswith(("tensorboard.summary",
+          "tensorboard.compat.tensorflow_stub", "fsspec"))]
+print("loaded:", loaded)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded: []" in done.stdout, done.stdout
+    events = read_events(tmp_path / "tb")
+    assert "train/loss" in events.Tags()["scalars"]
+    assert any(tag.startswith("params/") for tag in events.Tags()["tensors"])
