@@ -23,3 +23,9 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A subprocess that reads an entry another process is writing warns and compiles the
+# program itself (pyproject's filterwarnings says why): tests that compare a subprocess's
+# stderr line by line must not see that warning.
+os.environ.setdefault(
+    "PYTHONWARNINGS", "ignore:Error reading persistent compilation cache entry:UserWarning"
+)

@@ -281,7 +281,9 @@ def worker_env(tmp_path):
     # The runs compile the same step: share it through JAX's disk cache.
     return dict(
         os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_COMPILATION_CACHE_DIR=os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache")
+        ),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )

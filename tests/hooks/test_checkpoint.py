@@ -77,7 +77,7 @@ def worker_env(cache):
     # The killed and resumed runs compile the same step: share it through JAX's disk cache.
     return dict(
         os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache)),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )

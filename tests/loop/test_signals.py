@@ -24,7 +24,9 @@ WORKER = Path(__file__).parent.parent / "hooks" / "checkpoint_worker.py"
 def run_worker(tmp_path, directory, target, *flags):
     env = dict(
         os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_COMPILATION_CACHE_DIR=os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache")
+        ),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )

@@ -154,7 +154,9 @@ def test_nnx_resume_is_bit_identical(tmp_path, devices):
 def test_nnx_kill_and_resume_in_real_processes_is_bit_identical(tmp_path):
     env = dict(
         os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"),
+        JAX_COMPILATION_CACHE_DIR=os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache")
+        ),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
