@@ -28,6 +28,8 @@ _logger = logging.getLogger("loopax")
 # After the checkpoint hook's end-of-run save (which then holds the true last state), before
 # the logs and the UI.
 RESTORE_PRIORITY = Priority.CHECKPOINT + 1
+# loop.shared_data key: the loop's early stopping hooks (hooks.plot marks their monitor's best).
+EARLY_STOPPERS = "loopax.early_stoppers"
 
 
 def _weights(state: Any) -> dict[str, Any]:
@@ -113,6 +115,7 @@ class EarlyStopping(MetricMonitor):
         loop.on_restore(self.name, self._on_restore)
         loop.on_end(self.name, self._on_end, RESTORE_PRIORITY, check_finite=False)
         self._watch(loop, Priority.DEFAULT)
+        loop.shared_data.setdefault(EARLY_STOPPERS, []).append(self)
 
     @property
     def best_params(self) -> Any:

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
-import math
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from .. import _validate
 from ..loop import Loop, Priority
 from ..trainer import Trainer
+from ._checkpointing._checkpointer import CHECKPOINTERS
+from ._early_stopping import EARLY_STOPPERS
 from ._evaluate import EVALUATED_DATASETS, check_datasets
-from ._metric_info import is_writer_process
+from ._metric_info import is_writer_process, split_eval_key
+from ._monitor import resolve_mode
+from ._plot_figures import BestMetric, draw_figures, save_pngs, series_group
 from ._points import Point, PointsFile, points_of
 from ._schedules import Exponential
 from ._triggers import on_schedule
 from ._writers import MetricWriter, write_metrics
 
 POINTS_FILE_NAME = "plot_points.jsonl"
-_ACCURACY_TYPE = "accuracy"
-_TRAIN_PREFIX = "train/"
 
 
 def _require_matplotlib() -> None:
@@ -39,64 +39,17 @@ def _require_matplotlib() -> None:
         )
 
 
-def _file_stem(metric_type: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", metric_type).strip("._") or "metric"
+def _best_metric_of_hooks(loop: Loop) -> BestMetric | None:
+    """The metric the loop's hooks call best: a checkpoint's `best_metric`, else a monitor.
 
-
-def render_plots(points: list[Point], directory: str) -> list[str]:
-    """Renders one PNG per metric type (`<directory>/<type>.png`); returns their paths.
-
-    Train series are solid lines, eval series dashed with markers; the step axis is
-    log-scaled; accuracies are shown in percent, and a loss spanning more than two orders of
-    magnitude gets a log-scaled value axis.
+    The monitor is early stopping's; None when neither hook is attached.
     """
-    _require_matplotlib()
-    # The object-oriented API only: no pyplot, so no GUI backend and no global figure state.
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, PercentFormatter
-
-    by_type: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for point in points:
-        step, value = int(point["step"]), float(point["value"])
-        if step <= 0 or not math.isfinite(value):
-            continue  # a log-scaled step axis has no room for step 0
-        series = by_type.setdefault(str(point.get("type", "")), {})
-        series.setdefault(str(point["metric"]), []).append((step, value))
-    paths = []
-    for metric_type, series in sorted(by_type.items()):
-        figure = Figure(figsize=(9, 5.5), dpi=100, layout="constrained")
-        axes = figure.subplots()
-        values = []
-        train_first = sorted(
-            series.items(), key=lambda item: (not item[0].startswith(_TRAIN_PREFIX), item[0])
-        )
-        for name, xy in train_first:
-            xy = sorted(dict(xy).items())  # one value per step, the last written wins
-            steps, ys = zip(*xy, strict=True)
-            values += ys
-            if name.startswith(_TRAIN_PREFIX):
-                axes.plot(steps, ys, "-", marker=".", linewidth=1.8, label=name)
-            else:
-                axes.plot(steps, ys, "--", marker="o", markersize=4, linewidth=1.5, label=name)
-        axes.set_xscale("log")
-        axes.xaxis.set_major_formatter(FuncFormatter(lambda step, _: f"{step:,.0f}"))
-        if metric_type == _ACCURACY_TYPE:
-            axes.yaxis.set_major_formatter(PercentFormatter(1.0))
-        elif min(values) > 0 and max(values) / min(values) > 100:
-            axes.set_yscale("log")
-        axes.set_xlabel("global step (log scale)")
-        axes.set_ylabel(metric_type)
-        last_step = max(step for xy in series.values() for step, _ in xy)
-        axes.set_title(f"{metric_type} (up to step {last_step})")
-        axes.grid(True, which="major", alpha=0.5)
-        axes.grid(True, which="minor", alpha=0.15)
-        axes.legend(loc="best", fontsize="small")
-        path = os.path.join(directory, _file_stem(metric_type) + ".png")
-        temporary = path + ".tmp.png"
-        figure.savefig(temporary, format="png")
-        os.replace(temporary, path)  # atomic: a viewer never sees half a PNG
-        paths.append(path)
-    return paths
+    for checkpointer in loop.shared_data.get(CHECKPOINTERS, []):
+        if checkpointer.best_metric is not None:
+            return BestMetric(checkpointer.best_metric, checkpointer.best_mode)
+    for stopper in loop.shared_data.get(EARLY_STOPPERS, []):
+        return BestMetric(stopper.monitor, stopper.mode)
+    return None
 
 
 # loop.shared_data key: the loop's plot hooks (hooks.mlflow logs their PNGs).
@@ -127,9 +80,38 @@ class Plotter(MetricWriter):
         self._file = PointsFile(self.points_path, "jsonl")
         self.points: list[Point] = self._file.read()
         self.png_paths: list[str] = []
+        self._groups: dict[str, str] = {}  # metric key -> colour group, in order of appearance
+        self._group_points(self.points)
+        self._hooks_best: BestMetric | None = None  # read from the loop at each run's start
         self._renderer: concurrent.futures.ThreadPoolExecutor | None = None
         self._renders: list[concurrent.futures.Future] = []
         self._render_generation = 0
+
+    def _group_points(self, points: list[Point]) -> None:
+        for point in points:
+            key = str(point["metric"])
+            if key not in self._groups:
+                found = split_eval_key(self.trainer, key)
+                self._groups[key] = series_group(key, None if found is None else found[0])
+
+    def _best_metric(self) -> BestMetric | None:
+        """The hooks' choice, else the first eval metric (`mean_loss`) of the first dataset."""
+        if self._hooks_best is not None:
+            return self._hooks_best
+        first = next((g for g in self._groups.values() if g.startswith("eval/")), None)
+        if first is None:
+            return None
+        key = f"{first}/{self.trainer.eval_metric_names[0]}"
+        try:
+            mode = resolve_mode(self.trainer, key, "auto", "plot")
+        except ValueError:
+            return None  # neither a loss nor an accuracy: no telling which value is best
+        return BestMetric(key, mode)
+
+    def on_start(self, loop: Loop, dataset: Any) -> None:
+        """Reads from the loop's hooks which metric's best step to mark (see `plot`)."""
+        del dataset
+        self._hooks_best = _best_metric_of_hooks(loop)
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         points = points_of(self.trainer, step, scalars)
@@ -137,11 +119,14 @@ class Plotter(MetricWriter):
             return
         self._file.append(points)
         self.points += points
+        self._group_points(points)
         if self.render_pngs:
             self._request_render()
 
     def truncate_after(self, step: int) -> None:
         self.points = self._file.truncate_after(step)
+        self._groups = {}
+        self._group_points(self.points)
 
     def flush_async(self) -> Any:
         """The points are in their file as soon as they are written: nothing to wait for."""
@@ -157,14 +142,15 @@ class Plotter(MetricWriter):
         if self._renderer is None:
             self._renderer = concurrent.futures.ThreadPoolExecutor(1, "loopax-plot")
         self._render_generation += 1
+        drawing = (list(self.points), dict(self._groups), self._best_metric())
         self._renders.append(
-            self._renderer.submit(self._render_task, self._render_generation, list(self.points))
+            self._renderer.submit(self._render_task, self._render_generation, drawing)
         )
 
-    def _render_task(self, generation: int, points: list[Point]) -> None:
+    def _render_task(self, generation: int, drawing: tuple) -> None:
         if generation != self._render_generation:
             return  # superseded by a newer request: render only the latest points
-        self.png_paths = render_plots(points, self.directory)
+        self.png_paths = save_pngs(draw_figures(*drawing), self.directory)
 
     def _check_renders(self, wait: bool) -> None:
         """Raises the first render error; with `wait`, waits for every pending render."""
@@ -178,10 +164,24 @@ class Plotter(MetricWriter):
 
     wait = flush
 
+    def figures(self) -> dict[str, Any]:
+        """The figures of all points so far, as the PNGs show them (e.g. for a notebook).
+
+        One `matplotlib.figure.Figure` per metric type; `plot` documents what they draw.
+
+        Returns:
+          `{metric type: Figure}` (`"loss"`, `"accuracy"`, ...).
+
+        Raises:
+          ImportError: matplotlib is not installed (`pip install loopax[plot]`).
+        """
+        _require_matplotlib()
+        return draw_figures(list(self.points), dict(self._groups), self._best_metric())
+
     def render(self) -> list[str]:
         """Renders the PNGs of all points now, in this thread; returns their paths."""
         self.flush()
-        self.png_paths = render_plots(self.points, self.directory)
+        self.png_paths = save_pngs(self.figures(), self.directory)
         return self.png_paths
 
 
@@ -226,6 +226,27 @@ def plot(
     into the same directory continues the curves (points of the steps that run again are
     dropped first). Only process 0 writes; every process evaluates.
 
+    What the figures show (`Plotter.figures()` returns them):
+
+    - One colour per dataset in every figure: the train series blue, each evaluated dataset
+      its own colour (orange, green, red, ... in the order its first points came), the same
+      in the loss, the accuracy and every other figure. A dataset's several series in one
+      figure (the batch loss and its moving average) differ by line style and marker.
+    - Train series solid, eval series dashed with markers. A loss spanning more than two
+      orders of magnitude gets a log-scaled value axis.
+    - Accuracies in percent, their value axis focused: from the lowest value of the eval
+      curves to the highest of all curves, with a 5% margin, so the train curve's low first
+      values run off below instead of squashing the eval curves. The same holds for the
+      figure of the metric marked best (below) when higher is better for it.
+    - The best step: a dotted black vertical line in every figure, labelled with the metric,
+      its best value and step, and a star on that point in its own figure. The metric is
+      the `best_metric` of a `hooks.checkpoint` (with its `best_mode`), else the `monitor`
+      of a `hooks.early_stopping` (with its `mode`), as attached when a run starts, else
+      the first eval metric (`mean_loss`, lower is better) of the first dataset evaluated.
+      The step is that of its best plotted value (the earliest on ties): as the plot holds
+      every evaluation, early stopping's `best_step` when its `min_delta` is 0, while the
+      checkpoint hook's best checkpoint is the best of the steps it saved.
+
     Args:
       loop: the `loopax.Loop`.
       directory: where to write the points and PNGs (created).
@@ -250,6 +271,8 @@ def plot(
     plotter = Plotter(directory, loop.trainer, render)
     loop.shared_data.setdefault(PLOTTERS, []).append(plotter)  # e.g. for hooks.mlflow
     name = f"plot({directory})"
+    # At each start: a checkpoint or early stopping hook attached after this one counts too.
+    loop.on_start(f"{name}: best metric", plotter.on_start, priority)
     if eval_datasets:
         own = _OwnEvaluations(eval_datasets)
         loop.on_start(f"{name}: evaluations", own.on_start, Priority.EVALUATE)
