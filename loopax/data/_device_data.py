@@ -264,6 +264,17 @@ class DeviceChunk:
         """The first step's batch, gathered now (to create or check the model's state)."""
         return self.source.gather(self.start, 1, self.size, stacked=False, epoch=self.epoch)
 
+    def step_examples(self, index: int) -> np.ndarray:
+        """The dataset's indices of the examples of this chunk's step `index`, in batch order.
+
+        Read from the devices (the epoch's permutation): for diagnosing a bad step, not
+        for the steps' path.
+        """
+        step = self.part(index, 1)
+        positions = np.arange(step.start, step.start + self.size)
+        order = step.epoch.order
+        return positions if order is None else np.asarray(jax.device_get(order))[positions]
+
     def part(self, offset: int, count: int) -> DeviceChunk:
         """The `count` steps from step `offset` of this chunk."""
         start = self.start + offset * self.size

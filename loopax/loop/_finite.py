@@ -12,12 +12,14 @@ import numpy as np
 from .. import _warnings
 from ..trainer._state import overflow_steps, skipped_steps
 from ..trainer._steps import OVERFLOW_STEPS, SKIPPED_STEPS
+from ._batch_check import batch_advice
 from ._loop_metrics import GroupMetrics
 
 MOVING_AVERAGE = "moving_average_loss"
 
-# (loop step, that step's metrics as train_step returned them), oldest first
-Window = list[tuple[int, dict[str, jax.Array]]]
+# (the last loop step of a dispatch turn, its metrics as `Trainer.run` returned them, the
+# turn's dispatches: their batches, kept by reference until checked), oldest first
+Window = list[tuple[int, dict[str, jax.Array], list[Any]]]
 NonFiniteHandler = Callable[[Any, list[int]], None]
 
 
@@ -40,7 +42,7 @@ def _as_float(value: Any) -> float:
 def per_step(window: Window, key: str) -> list[tuple[int, float]]:
     """`(loop step, value of key)` for every step of `window`, groups expanded; one read."""
     parts = []
-    for step, metrics in window:
+    for step, metrics, _ in window:
         if isinstance(metrics, GroupMetrics):
             parts.extend(metrics.stacked(key))
         else:
@@ -121,11 +123,11 @@ class FiniteChecker:
             non-finite handler takes it.
         """
         self.raise_failure()
-        newest_step, newest = window[-1]
+        newest_step, newest, _ = window[-1]
         value = _as_float(newest[self._indicator])
         if self._indicator == MOVING_AVERAGE:
             if not math.isfinite(value):
-                self._raise_first(window, value)
+                self._raise_first(loop, window, value)
         elif value != self._skipped_seen:
             skipped = self._skipped_in(window)
             self._skipped_seen = value
@@ -151,15 +153,13 @@ class FiniteChecker:
         self._overflows_seen = previous_overflows
         return skipped
 
-    def _raise_first(self, window: Window, average: float) -> None:
+    def _raise_first(self, loop: Any, window: Window, average: float) -> None:
         for step, loss in per_step(window, "loss"):
             if not math.isfinite(loss):
                 self.failure = NonFiniteLossError(
                     f"the loss is {loss} at step {step} (global step {step + 1}), the first "
-                    "non-finite step; stopped before any checkpoint could save it. Lower the "
-                    "learning rate, clip gradients (loopax.optimizers.adam(..., "
-                    "clip_global_norm=1.0)), check the data, or attach hooks.nan_guard to "
-                    "skip such steps",
+                    "non-finite step; stopped before any checkpoint could save it. "
+                    + _advice(loop, window, step),
                     step,
                 )
                 raise self.failure
@@ -180,3 +180,12 @@ class FiniteChecker:
             f"{skipped[:10]}{' ...' if len(skipped) > 10 else ''} (Trainer.skip_non_finite_steps "
             "is on); attach hooks.nan_guard to roll back or stop when it persists"
         )
+
+
+def _advice(loop: Any, window: Window, step: int) -> str:
+    """`batch_advice` for loop step `step` of `window`: what its batch holds, what to do."""
+    for last, _, dispatches in window:
+        if step <= last:
+            first = last - sum(dispatch.count for dispatch in dispatches) + 1
+            return batch_advice(loop.trainer, dispatches, first, step)
+    raise AssertionError(f"step {step} is past the window's last step {window[-1][0]}")

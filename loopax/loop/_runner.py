@@ -447,7 +447,7 @@ class Runner:
                 self.metrics = metrics
                 self.metrics_step = last
                 self._epoch_batches += count
-                window = push(metrics[indicator], (last, metrics))
+                window = push(metrics[indicator], (last, metrics, dispatches))
                 if window is not None:
                     self._finite.verify(self._owner, window)
                     if loop_metrics.pending_logs:

@@ -36,6 +36,11 @@ class ExecInfo:
       steps: optimizer steps one call takes (n for `"train_steps"`; 0 for evaluation and
         prediction).
       examples: examples one call reads (all processes).
+      prediction_shapes: the shapes of the predictions the loss function gets in one step
+        (one device's share of the batch under data parallelism, the global batch on a
+        `mesh`; one micro-batch's with `accumulate_steps`), one per prediction; () for
+        prediction programs. E.g. `((32, 10),)`: a sparse categorical loss takes class ids
+        in `[0, 10)`. The Loop checks a non-finite step's labels against the last axis.
     """
 
     graph_type: str
@@ -49,6 +54,7 @@ class ExecInfo:
     flops_per_step: float | None = None
     steps: int = 0
     examples: int = 0
+    prediction_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass

@@ -28,8 +28,9 @@ class InFlight:
     finish in order, so waiting on one step covers all before it). The device never runs
     dry, and the host sleeps and wakes once per `limit // 2 + 1` steps instead of every step.
 
-    Each step comes with a token (the loop's `(step, metrics)`); the tokens of the steps
-    waited for are returned, so the caller can read their values at no extra wait.
+    Each step comes with a token (the loop's `(step, metrics, dispatches)`); the tokens of
+    the steps waited for are returned, so the caller can read their values (and, for a bad
+    loss, look at their batches) at no extra wait.
     """
 
     def __init__(self, limit: int = DEFAULT_LIMIT):

@@ -347,6 +347,7 @@ class Programs:
         arguments = program.arguments(strategy, source, leading)
         sharded = len(arguments) if program.sharded is None else program.sharded
         run = program.wrap(program, strategy, self.steps, spec, rng, source, leading, sharded)
+        self.steps.traced_prediction_shapes = None  # a trace JAX took from its cache sets none
         lowered = run.lower(state, *states, *arguments)
         info = ExecInfo(
             graph_type=program.graph_type,
@@ -356,6 +357,7 @@ class Programs:
             label_shapes=tuple(tuple(a.shape) for a in labels),
             label_dtypes=tuple(str(a.dtype) for a in labels),
             compile_seconds=0.0,
+            prediction_shapes=self.steps.traced_prediction_shapes or (),
         )
         return lowered, info, time.perf_counter() - started
 

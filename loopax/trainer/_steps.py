@@ -134,6 +134,9 @@ class StepBuilder:
         self.fresh_train_metrics: Callable[[], dict[str, Any]] = jax.jit(self._train_metrics)
         self.fresh_eval_metrics: Callable[[], dict[str, Any]] = jax.jit(self._eval_metrics)
         self.evaluation = EvalBodies(self)  # the eval and predict bodies
+        # The predictions' shapes the loss got when a body was last traced (a side effect of
+        # tracing, free at run time): what `ExecInfo.prediction_shapes` reports.
+        self.traced_prediction_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def _train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
@@ -171,6 +174,7 @@ class StepBuilder:
                 "in the model function"
             )
         total = jnp.zeros((), jnp.float32)
+        self.traced_prediction_shapes = tuple(tuple(p.shape) for p in predictions)
         if loss_fn is not None:
             loss = loss_fn(labels, predictions)
             if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
