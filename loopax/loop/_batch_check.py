@@ -20,6 +20,30 @@ import numpy as np
 from ..data._datasets import as_list
 from ..data._reader import Dispatch, OnDevice, Stacked
 
+# Host or device bytes of batches the in-flight window may hold for the check, in all: a
+# turn whose batches take more than this divided by the window's length is not held (an
+# image model's batches of tens of MB, 33 turns in flight, would hold gigabytes), and a
+# non-finite loss in it says its batch was not kept.
+HELD_BYTES = 256 * 2**20
+
+
+def kept(dispatches: list[Dispatch], turn_budget: int) -> list[Dispatch]:
+    """`dispatches` to hold until their losses are checked, or [] when over `turn_budget`.
+
+    Per dispatch turn, in the loop's hot path: a few attribute reads. On-device data holds
+    nothing of its own (its steps read the dataset's arrays).
+    """
+    size = 0
+    for dispatch in dispatches:
+        if type(dispatch) is OnDevice:
+            continue
+        for array in as_list(dispatch.inputs):
+            size += getattr(array, "nbytes", 0)
+        for array in as_list(dispatch.labels):
+            size += getattr(array, "nbytes", 0)
+    return dispatches if size <= turn_budget else []
+
+
 _RATE_ADVICE = (
     "lower the learning rate, clip gradients (loopax.optimizers.adam(..., clip_global_norm=1.0))"
 )
@@ -83,6 +107,11 @@ def _step_batch(
     On the host. The indices are known for on-device data, whose batches are taken from
     the dataset's arrays again by where they lie.
     """
+    if not dispatches:
+        raise LookupError(
+            "its batches were not kept while in flight: they are larger than "
+            f"{HELD_BYTES // 2**20} MiB over the window of steps in flight"
+        )
     at = first_step
     for dispatch in dispatches:
         index = step - at

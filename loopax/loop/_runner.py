@@ -16,6 +16,7 @@ from ..data._reader import StepReader, power_of_two_at_most
 from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
 from ._ahead import AheadCompiles
+from ._batch_check import HELD_BYTES, kept
 from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import NEVER
 from ._hook_registry import HookRegistry
@@ -404,6 +405,7 @@ class Runner:
         run = trainer.run
         loop_metrics = self._loop_metrics
         push = self._in_flight.push
+        budget = HELD_BYTES // self._in_flight.limit  # a turn's batches, held to be checked
         record_duration = self._durations.append
         clock = time.perf_counter
         agreement = self._agreement
@@ -447,7 +449,7 @@ class Runner:
                 self.metrics = metrics
                 self.metrics_step = last
                 self._epoch_batches += count
-                window = push(metrics[indicator], (last, metrics, dispatches))
+                window = push(metrics[indicator], (last, metrics, kept(dispatches, budget)))
                 if window is not None:
                     self._finite.verify(self._owner, window)
                     if loop_metrics.pending_logs:

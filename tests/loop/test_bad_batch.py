@@ -239,3 +239,17 @@ def test_exec_info_reports_the_predictions_shapes():
     shapes = {info.graph_type: info.prediction_shapes for info in infos}
     # One device's share of the batch of 8, and the classes; prediction has no loss.
     assert shapes == {"train": ((BATCH_SIZE // 4, CLASSES),), "predict": ()}
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_batches_over_the_held_budget_are_not_kept_and_the_error_says_so(monkeypatch, k):
+    # An image model's batches of tens of MB, a window of 33 turns in flight: holding every
+    # batch would hold gigabytes. Over the budget a turn's batches are not held.
+    monkeypatch.setattr("loopax.loop._runner.HELD_BYTES", 64)  # less than one batch
+    inputs = features()
+    labels = classes(inputs)
+    inputs[11 * BATCH_SIZE + 2, 1] = np.nan
+    error = failure(classification(), in_order(inputs, labels), k)
+    assert "at step 11 " in str(error)
+    assert "Its batch was not checked (LookupError: its batches were not kept" in str(error)
+    assert "holds" not in str(error)  # nothing claimed about a batch it did not see
