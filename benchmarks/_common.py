@@ -393,8 +393,11 @@ def readme_hooks(
 
     def attach(loop: Any) -> None:
         kwargs: dict[str, Any] = {}
-        if "file" in inspect.signature(hooks.progress_bar).parameters:
+        parameters = inspect.signature(hooks.progress_bar).parameters
+        if "file" in parameters:
             kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the loop)
+        if "lines" in parameters:
+            kwargs["lines"] = False  # the bar a terminal shows, not the lines a file gets
         hooks.progress_bar(loop, **kwargs)
         hooks.tensorboard(loop, str(directory / "tensorboard"))
         hooks.checkpoint(loop, str(directory / "checkpoints"), **checkpoint_kwargs)

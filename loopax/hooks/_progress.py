@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -10,74 +11,13 @@ from typing import Any, TextIO
 from ..loop import Loop, Priority
 from ..trainer import Trainer
 from ._metric_info import is_writer_process, train_metric_infos
+from ._progress_status import FinishedMetrics, Throughput, format_interval, format_rate
 from ._schedules import ClockSchedule
 
 _KNOWN_TOTAL_FORMAT = "{percentage:3.0f}%|{bar}| {status}"
 _NO_BAR_FORMAT = "{percentage:3.0f}% {status}"
 _UNKNOWN_TOTAL_FORMAT = "{status}"
 _MIN_BAR = 10  # columns: a narrower bar says nothing, so the metrics get its room
-
-
-class Throughput:
-    """Steps per second and ETA that leave out the steps during which something compiled.
-
-    The caller marks each finished step with `step_done(now)`; `compiled()` says an executable
-    was compiled since the previous mark, so that interval (compile time plus a step) is not
-    counted: otherwise the first step's compilation would skew every estimate.
-
-    Example:
-      >>> throughput = Throughput()
-      >>> throughput.start(0.0)
-      >>> throughput.compiled()
-      >>> throughput.step_done(30.0)  # step 1 compiled for 30 s: not counted
-      >>> for now in (30.5, 31.0, 31.5):
-      ...     throughput.step_done(now)
-      >>> throughput.steps_per_second(), throughput.eta_seconds(steps_left=10)
-      (2.0, 5.0)
-    """
-
-    counted_steps: int
-    counted_seconds: float
-
-    def __init__(self) -> None:
-        self.counted_steps = 0
-        self.counted_seconds = 0.0
-        self._last: float | None = None
-        self._compiled = False
-
-    def start(self, now: float) -> None:
-        """Starts timing (a new run): the next interval ends at the next `step_done`."""
-        self._last = now
-        self._compiled = False
-
-    def compiled(self) -> None:
-        """Marks the current interval as including a compilation."""
-        self._compiled = True
-
-    def step_done(self, now: float, steps: int = 1) -> None:
-        """Ends an interval of `steps` steps; counts it unless it included a compilation."""
-        if self._last is not None and not self._compiled:
-            self.counted_steps += steps
-            self.counted_seconds += now - self._last
-        self._last = now
-        self._compiled = False
-
-    def steps_per_second(self) -> float | None:
-        """The mean rate over the counted steps, or None before any."""
-        if self.counted_steps == 0 or self.counted_seconds <= 0:
-            return None
-        return self.counted_steps / self.counted_seconds
-
-    def eta_seconds(self, steps_left: int) -> float | None:
-        """Seconds for `steps_left` more steps at the current rate, or None if unknown."""
-        rate = self.steps_per_second()
-        return None if rate is None or steps_left < 0 else steps_left / rate
-
-
-def _format_interval(seconds: float) -> str:
-    from tqdm import tqdm
-
-    return tqdm.format_interval(seconds)
 
 
 def _bar_class(notebook: bool | None) -> type:
@@ -100,15 +40,34 @@ def _bar_class(notebook: bool | None) -> type:
     return _Bar
 
 
+def _uses_widgets(bar_class: type) -> bool:
+    """Whether tqdm picked its notebook widget (never without ipywidgets)."""
+    return any(cls.__module__ == "tqdm.notebook" for cls in bar_class.__mro__)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed file
+        return False
+
+
 class ProgressBar:
     """The progress bar hooks; created by `progress_bar`.
 
+    `ProgressBar.format_rate(steps_per_second, short=False)` is how it writes a rate.
+
     Attributes:
       throughput: the `Throughput` (steps/s and ETA without compile time) of the current run.
-      bar: the tqdm bar of the current run, or None.
+      bar: the tqdm bar of the current run, or None (between runs, and when writing lines).
+      lines: whether the current run writes plain lines instead of a bar.
+      shown_step: the global step of the metrics shown, or None while no step of the run
+        has finished on the device.
+      shown_metrics: those metrics as Python floats, by name.
     """
 
     throughput: Throughput
+    format_rate = staticmethod(format_rate)
 
     def __init__(
         self,
@@ -119,13 +78,21 @@ class ProgressBar:
         leave: bool,
         show_metrics: bool,
         summary: bool = False,
+        lines: bool | None = None,
+        line_seconds: float = 30.0,
     ):
         self.clock = clock
         self.show_metrics = show_metrics
         self._summary_due = summary  # printed once, when the parameters first exist
         self.throughput = Throughput()
         self.bar: Any = None
+        self.lines = False
+        self.shown_step: int | None = None
+        self.shown_metrics: dict[str, float] = {}
         self._bar_class = _bar_class(notebook)
+        self._file = file
+        self._want_lines = lines
+        self._line_seconds = line_seconds
         # What every bar of this hook is built with, besides its run's total and format.
         self._bar_options = {
             "file": file,
@@ -135,6 +102,11 @@ class ProgressBar:
             "mininterval": 0,
         }
         self._infos = train_metric_infos(trainer)
+        self._finished = FinishedMetrics()
+        self._running = False
+        self._stream: Any = None
+        self._started = 0.0
+        self._next_line = 0.0
         self._refreshed_step = 0
         self._end_step = -1
 
@@ -149,7 +121,17 @@ class ProgressBar:
         self._print_summary(loop)  # a resumed or initialized state exists already
         self._end_step = loop.end_step
         self.throughput = Throughput()
-        self.throughput.start(self.clock())
+        self._started = self.clock()
+        self.throughput.start(self._started)
+        self._finished = FinishedMetrics()
+        self.shown_step, self.shown_metrics = None, {}
+        self._refreshed_step = loop.start_step
+        self._running = True
+        self._stream = sys.stderr if self._file is None else self._file  # tqdm's default
+        self.lines = self._writes_lines()
+        if self.lines:
+            self._next_line = self._started + self._line_seconds
+            return
         known = loop.end_step >= 0
         # Shown by tqdm's first display, inside its constructor.
         self._bar_class.status = self.status(loop, loop.start_step, None)
@@ -159,11 +141,33 @@ class ProgressBar:
             bar_format=_KNOWN_TOTAL_FORMAT if known else _UNKNOWN_TOTAL_FORMAT,
             **self._bar_options,
         )
-        self._refreshed_step = loop.start_step
+
+    def _writes_lines(self) -> bool:
+        """Lines, unless asked otherwise, where carriage-return redraws would not show.
+
+        A log file, a CI log or a notebook rendered from its saved output keeps every
+        redraw of a tqdm line, or only its first: neither shows where the run is.
+        """
+        if self._want_lines is not None:
+            return self._want_lines
+        return not _uses_widgets(self._bar_class) and not _is_terminal(self._stream)
 
     def status(self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None) -> str:
         """The text after the bar: `step k of N [r steps/s, ETA t] metrics`."""
         return self._statuses(loop, steps_done, host_metrics)[0]
+
+    def _eta_text(self, loop: Loop, steps_done: int) -> str:
+        if loop.end_step < 0:
+            return "?"
+        eta = self.throughput.eta_seconds(loop.end_step - steps_done)
+        return "?" if eta is None else format_interval(eta)
+
+    def _metric_texts(self, host_metrics: dict[str, Any] | None) -> list[str]:
+        return [
+            f"{info.short_name}={info.pretty_print(host_metrics[info.key])}"
+            for info in self._infos
+            if host_metrics and info.key in host_metrics
+        ]
 
     def _statuses(
         self, loop: Loop, steps_done: int, host_metrics: dict[str, Any] | None
@@ -175,22 +179,13 @@ class ProgressBar:
         """
         total = "?" if loop.end_step < 0 else str(loop.end_step)
         rate = self.throughput.steps_per_second()
-        rate_text = "?" if rate is None else f"{rate:.3g}"
-        if loop.end_step < 0:
-            eta_text = "?"
-        else:
-            eta = self.throughput.eta_seconds(loop.end_step - steps_done)
-            eta_text = "?" if eta is None else _format_interval(eta)
-        metrics = [
-            f"{info.short_name}={info.pretty_print(host_metrics[info.key])}"
-            for info in self._infos
-            if host_metrics and info.key in host_metrics
-        ]
+        eta_text = self._eta_text(loop, steps_done)
+        metrics = self._metric_texts(host_metrics)
         shown = "".join(" " + m for m in metrics)
         short = f"{steps_done}/{total}"
         texts = [
-            f"step {steps_done} of {total} [{rate_text} steps/s, ETA {eta_text}]{shown}",
-            f"{short} {rate_text}/s {eta_text}{shown}",
+            f"step {steps_done} of {total} [{format_rate(rate)}, ETA {eta_text}]{shown}",
+            f"{short} {format_rate(rate, short=True)} {eta_text}{shown}",
         ]
         texts += [short + "".join(" " + m for m in metrics[i:]) for i in range(len(metrics) + 1)]
         return texts
@@ -223,6 +218,20 @@ class ProgressBar:
             self._summary_due = False
             self._bar_class.write(loop.trainer.summary(), file=self._bar_options["file"])
 
+    def _take_metrics(self, steps_done: int, metrics: Any) -> None:
+        """Offers the step's metrics and moves to the newest finished ones, never waiting."""
+        finished = self._finished
+        finished.forget_after(steps_done)  # a rollback went back before them
+        finished.offer(steps_done, metrics)
+        finished.advance()
+
+    def _show_finished(self) -> None:
+        """Shows the newest finished metrics: read from the device once per step shown."""
+        finished = self._finished
+        if self.show_metrics and finished.step != self.shown_step:
+            self.shown_step = finished.step
+            self.shown_metrics = dict(finished.values())
+
     def _refresh(self, loop: Loop, steps_done: int, display: bool = True) -> None:
         self._print_summary(loop)
         bar = self.bar
@@ -230,34 +239,63 @@ class ProgressBar:
             # run_epochs learned the length of the run at the end of the first epoch.
             self._end_step = loop.end_step
             bar.total = loop.end_step if loop.end_step >= 0 else None
-        host_metrics = loop.host_metrics() if self.show_metrics else None
         bar.n = steps_done
-        statuses = self._statuses(loop, steps_done, host_metrics)
+        self._show_finished()
+        statuses = self._statuses(loop, steps_done, self.shown_metrics)
         bar.bar_format, bar.status = self._fit(loop.end_step >= 0, statuses)
         if display:
             bar.refresh()
 
+    def _write_line(self, loop: Loop, steps_done: int, now: float, final: bool) -> None:
+        """One plain line: `step k of N [r steps/s, ETA t, elapsed e] metrics`."""
+        self._print_summary(loop)
+        self._show_finished()
+        total = "?" if loop.end_step < 0 else str(loop.end_step)
+        facts = [format_rate(self.throughput.steps_per_second())]
+        if not final:
+            facts.append(f"ETA {self._eta_text(loop, steps_done)}")
+        facts.append(f"elapsed {format_interval(now - self._started)}")
+        shown = "".join(" " + m for m in self._metric_texts(self.shown_metrics))
+        print(f"step {steps_done} of {total} [{', '.join(facts)}]{shown}", file=self._stream)
+        self._stream.flush()
+
     def __call__(self, loop: Loop, metrics: Any) -> None:
-        """The OnStep hook: refreshes the bar.
+        """The OnStep hook: refreshes the bar, or writes a line when one is due.
 
         It runs on the steps its `ClockSchedule` picks (every `refresh_seconds`).
         """
-        if self.bar is None:
+        if not self._running:
             return
         now = self.clock()
         steps_done = loop.loop_step + 1
         self.throughput.step_done(now, steps_done - self._refreshed_step)
         self._refreshed_step = steps_done
-        self._refresh(loop, steps_done)
+        if self.show_metrics:
+            self._take_metrics(steps_done, metrics)
+        if not self.lines:
+            self._refresh(loop, steps_done)
+            return
+        self._print_summary(loop)
+        # At the run's last step the final line comes at once.
+        if now >= self._next_line and steps_done != loop.end_step:
+            self._next_line = now + self._line_seconds
+            self._write_line(loop, steps_done, now, final=False)
 
     def on_end(self, loop: Loop, metrics: Any) -> None:
-        if self.bar is None:
+        if not self._running:
             return
-        # close() displays the final state once more: no refresh of our own.
+        self._running = False
+        now = self.clock()
         steps_done = loop.trainer.global_step
         if steps_done != self._refreshed_step:
-            self.throughput.step_done(self.clock(), steps_done - self._refreshed_step)
+            self.throughput.step_done(now, steps_done - self._refreshed_step)
             self._refreshed_step = steps_done
+        if self.show_metrics:  # the loop waited for every step: the last one has finished
+            self._finished.settle(steps_done, metrics)
+        if self.lines:
+            self._write_line(loop, steps_done, now, final=True)
+            return
+        # close() displays the final state once more: no refresh of our own.
         self._refresh(loop, steps_done, display=False)
         self._close_bar()
 
@@ -265,6 +303,12 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def progress_bar(
@@ -277,47 +321,68 @@ def progress_bar(
     notebook: bool | None = None,
     leave: bool = True,
     summary: bool = False,
+    lines: bool | None = None,
+    line_seconds: float = 30.0,
     priority: int = Priority.UI,
 ) -> ProgressBar:
     """Shows a tqdm progress bar: `step k of N`, steps/s, ETA and the train metrics.
 
     The bar reads `NN%|████| step 120 of 1000 [45.2 steps/s, ETA 00:19] batch=0.231
-    ~loss=0.25 acc=93.41%`, with the metrics' short names and pretty-printed values. Steps
-    during which an executable was compiled (reported by `trainer.on_exec_creation`) are left
-    out of the rate and the ETA. With `run_epochs` the total shows `?` until the first epoch
-    ends, then the bar gets its total. Each run (a second `run_steps` too) gets a new bar. It
-    refreshes at most once every `refresh_seconds` and reads the metrics from the device only
-    then. Only process 0 shows it.
+    ~loss=0.25 acc=93.41%`, with the metrics' short names and pretty-printed values. Rates
+    read `2.84k steps/s` past a thousand, `2.22 s/step` under one a second. Steps during
+    which an executable was compiled (reported by `trainer.on_exec_creation`) are left out
+    of the rate and the ETA. With `run_epochs` the total shows `?` until the first epoch
+    ends, then the bar gets its total. Each run (a second `run_steps` too) gets a new bar.
+    It refreshes at most once every `refresh_seconds`. Only process 0 shows it.
+
+    The metrics shown are those of the newest step that finished on the device: a refresh
+    never waits for the steps in flight (with `steps_per_execution=32`, a whole group), so
+    they may be a few steps behind the step count; at the end of the run they are the last
+    step's.
+
+    Where a redrawn line would not show (the output is not a terminal: a log file, a CI
+    log, a notebook without widgets or rendered from its saved output), it writes plain
+    lines instead (Keras's `verbose=2`): `step 120 of 1000 [45.2 steps/s, ETA 00:19,
+    elapsed 00:03] ~loss=0.25 ...` every `line_seconds`, and always a last line at the end
+    of each run with the steps done, the rate, the elapsed time (compilation included) and
+    the last step's metrics.
 
     Args:
       loop: the `loopax.Loop`.
       refresh_seconds: the minimum time between refreshes (default 0.2: 5 a second).
-      show_metrics: show the train metrics (reads them from the device at each refresh).
+      show_metrics: show the train metrics (reads the newest finished step's from the
+        device at each refresh).
       clock: returns the time in seconds; inject a fake one in tests.
       file: where to write (default: tqdm's, `sys.stderr`).
       notebook: None picks a notebook widget or a terminal bar automatically; True/False
         force one.
-      leave: keep the finished bar on screen.
+      leave: keep the finished bar on screen (lines always stay).
       summary: print `trainer.summary()` (every parameter, Keras's `model.summary()`)
         once, above the bar, as soon as the parameters exist (the first step).
+      lines: None writes lines when the output is neither a terminal nor a notebook
+        widget, a bar otherwise; True always lines, False always a bar.
+      line_seconds: the time between two lines (default 30); the last line comes anyway.
       priority: the hooks' priority (default `Priority.UI`: last).
 
     Returns:
       The `ProgressBar`.
 
     Raises:
-      ValueError: `refresh_seconds` is negative.
-      TypeError: `clock` is not callable.
+      ValueError: `refresh_seconds` or `line_seconds` is negative.
+      TypeError: `clock` is not callable, or `lines` is not None or a bool.
     """
-    if (
-        isinstance(refresh_seconds, bool)
-        or not isinstance(refresh_seconds, (int, float))
-        or not refresh_seconds >= 0
-    ):
-        raise ValueError(f"refresh_seconds must be a number >= 0, got {refresh_seconds!r}")
+    refresh_seconds = _seconds("refresh_seconds", refresh_seconds)
+    line_seconds = _seconds("line_seconds", line_seconds)
     if not callable(clock):
         raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-    progress = ProgressBar(loop.trainer, clock, file, notebook, leave, show_metrics, summary)
+    if lines is not None and not isinstance(lines, bool):
+        raise TypeError(
+            f"lines must be None (lines only where the output is no terminal), True or "
+            f"False, got {lines!r}"
+        )
+    progress = ProgressBar(
+        loop.trainer, clock, file, notebook, leave, show_metrics, summary, lines, line_seconds
+    )
     if is_writer_process():
         loop.trainer.on_exec_creation(progress.on_exec_creation)
         loop.on_start("progress_bar", progress.on_start, priority=priority)
@@ -326,7 +391,7 @@ def progress_bar(
             progress,
             priority=priority,
             check_finite=False,
-            when=ClockSchedule(float(refresh_seconds), clock, fire_first=True),
+            when=ClockSchedule(refresh_seconds, clock, fire_first=True),
         )
         loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
     return progress

@@ -11,10 +11,12 @@ import subprocess
 import sys
 import termios
 import textwrap
+import threading
 import time
 
+import jax
 import pytest
-from observability_helpers import make_data, make_trainer
+from observability_helpers import make_data, make_trainer, model_fn
 
 import loopax
 from loopax import hooks
@@ -37,6 +39,7 @@ SCRIPT = textwrap.dedent("""
 
     def advance_fake_clock(loop, metrics):
         now[0] += 0.5
+        loop.host_metrics()  # the step has finished when the bar, which never waits, reads it
         if loop.loop_step == 4:
             now[0] += 100.0
             progress.on_exec_creation(None)  # as the trainer reports a compilation
@@ -134,7 +137,8 @@ def test_refreshes_at_most_every_refresh_seconds():
     now = [0.0]
     loop = loopax.Loop(make_trainer())
     out = io.StringIO()
-    hooks.progress_bar(loop, refresh_seconds=1.0, clock=lambda: now[0], file=out)
+    # A bar, though a StringIO is no terminal: its refreshes are what this test counts.
+    hooks.progress_bar(loop, refresh_seconds=1.0, clock=lambda: now[0], file=out, lines=False)
 
     def advance_fake_clock(loop, metrics):
         now[0] += 0.25
@@ -153,6 +157,10 @@ def test_rejects_bad_arguments():
         hooks.progress_bar(loop, refresh_seconds=-1)
     with pytest.raises(TypeError, match="clock"):
         hooks.progress_bar(loop, clock=3)
+    with pytest.raises(ValueError, match="line_seconds must be a number of seconds >= 0, got -1"):
+        hooks.progress_bar(loop, line_seconds=-1)
+    with pytest.raises(TypeError, match="lines must be None .* True or False, got 'yes'"):
+        hooks.progress_bar(loop, lines="yes")
 
 
 NARROW_SCRIPT = textwrap.dedent("""
@@ -165,7 +173,12 @@ NARROW_SCRIPT = textwrap.dedent("""
     now = [0.0]
     loop = loopax.Loop(new_trainer())
     hooks.progress_bar(loop, refresh_seconds=0, clock=lambda: now[0], show_metrics={metrics})
-    loop.on_step("fake clock", lambda loop, metrics: now.__setitem__(0, now[0] + 0.5))
+
+    def advance_fake_clock(loop, metrics):
+        now[0] += 0.5
+        loop.host_metrics()  # the step has finished when the bar, which never waits, reads it
+
+    loop.on_step("fake clock", advance_fake_clock)
     loop.run_steps(make_data(loop_forever=True), 20)
     print("DONE", flush=True)
 """)
@@ -194,3 +207,141 @@ def test_at_80_columns_the_bar_goes_before_any_metric_value_is_cut():
     lines = terminal_lines(NARROW_SCRIPT.format(helpers=HELPERS, metrics=False), columns=80)
     last = [line for line in lines if "step 20 of 20" in line][-1]
     assert last.startswith("100%|") and len(last) <= 80, last
+
+
+def test_rates_read_as_people_read_them():
+    format_rate = hooks.ProgressBar.format_rate
+    assert format_rate(0.0) == "0 steps/s"
+    assert format_rate(None) == "? steps/s" and format_rate(None, short=True) == "?/s"
+    # Under a step a second: seconds per step, as tqdm's s/it; past a minute as a duration.
+    assert format_rate(0.45) == "2.22 s/step" and format_rate(0.45, short=True) == "2.22s/step"
+    assert format_rate(1 / 90) == "01:30/step"
+    assert format_rate(1.0) == "1 steps/s" and format_rate(3.14159) == "3.14 steps/s"
+    assert format_rate(280.0, short=True) == "280/s" and format_rate(999.4) == "999 steps/s"
+    # Rounded before the prefix is chosen: never 1e+03, never 1000.
+    assert format_rate(999.5) == "1k steps/s" and format_rate(1e3, short=True) == "1k/s"
+    assert format_rate(2840.0, short=True) == "2.84k/s" and format_rate(123456.0) == "123k steps/s"
+    assert format_rate(1e6) == "1M steps/s" and format_rate(2.5e12, short=True) == "2.5T/s"
+
+
+LINES_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {helpers!r})
+    from observability_helpers import make_data, new_trainer
+    import loopax
+    from loopax import hooks
+
+    now = [0.0]
+    loop = loopax.Loop(new_trainer())
+    progress = hooks.progress_bar(loop, refresh_seconds=0, clock=lambda: now[0])
+    loop.on_step("fake clock", lambda loop, metrics: now.__setitem__(0, now[0] + 0.5))
+    loop.run_steps(make_data(loop_forever=True), 20)
+    print("EXPECTED", progress.status(loop, 20, loop.host_metrics()).split("] ")[1], flush=True)
+""")
+
+
+def test_a_log_that_is_no_terminal_gets_lines_and_the_final_state():
+    # As a CI log or `python train.py 2> log` gets it: stderr is a pipe, not a terminal.
+    result = subprocess.run(
+        [sys.executable, "-c", LINES_SCRIPT.format(helpers=HELPERS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = result.stdout.split("EXPECTED ")[1].strip()
+    assert re.fullmatch(r"batch=\S+ ~loss=\S+ ~acc=\d+\.\d\d%", expected), expected
+    # No carriage-return redraws, whose first frame (0% step 0 of 20) is all a log would show.
+    assert "\r" not in result.stderr and "step 0 of 20" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    # 10 s of fake time: no line is due before the end (every 30 s); the last one always is.
+    assert lines == [f"step 20 of 20 [2 steps/s, elapsed 00:10] {expected}"], result.stderr
+
+
+def test_lines_come_every_line_seconds_and_the_last_one_at_the_end():
+    now = [0.0]
+    loop = loopax.Loop(make_trainer())
+    out = io.StringIO()
+    progress = hooks.progress_bar(
+        loop, refresh_seconds=0, clock=lambda: now[0], file=out, line_seconds=2
+    )
+    shown = {}
+
+    def advance_fake_clock(loop, metrics):
+        now[0] += 0.5 if loop.loop_step < 10 else 4.0  # then slow steps: 4 s each
+        step = loop.loop_step + 1
+        # Read here, the step has finished when the bar, which never waits, looks at it.
+        shown[step] = progress.status(loop, step, loop.host_metrics()).split("] ")[1]
+
+    loop.on_step("fake clock", advance_fake_clock)
+    loop.run_steps(make_data(loop_forever=True), 12)
+    assert progress.lines  # a StringIO is no terminal: lines, without being asked
+    # 0.5 s steps (2 steps/s), a line every 2 s; two 4 s steps: 12 steps in 13 s. A line
+    # due at the run's last step is left to the final line, which has no ETA.
+    assert out.getvalue().splitlines() == [
+        f"step 4 of 12 [2 steps/s, ETA 00:04, elapsed 00:02] {shown[4]}",
+        f"step 8 of 12 [2 steps/s, ETA 00:02, elapsed 00:04] {shown[8]}",
+        f"step 11 of 12 [1.22 steps/s, ETA 00:00, elapsed 00:09] {shown[11]}",
+        f"step 12 of 12 [1.08 s/step, elapsed 00:13] {shown[12]}",
+    ]
+    assert progress.shown_step == 12 and progress.shown_metrics == loop.host_metrics()
+
+
+def test_with_fused_steps_the_bar_shows_the_newest_finished_step_and_never_waits(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the whole status, whatever runs the tests
+    # Each step waits on the device for this gate, which the test closes while a group of
+    # 32 steps is in flight, and opens only after the bar's refresh: a bar that waited for
+    # that group would wait for the gate (20 s, then the test fails).
+    gate = threading.Event()
+    gate.set()
+    timed_out = []
+
+    def wait_at_gate(_):
+        if not gate.wait(timeout=20):
+            timed_out.append(True)
+            gate.set()
+
+    def gated_model(ctx, spec, inputs):
+        jax.debug.callback(wait_at_gate, inputs[0][0, 0])
+        return model_fn(ctx, spec, inputs)
+
+    trainer = loopax.Trainer(
+        gated_model,
+        loopax.losses.sparse_categorical_crossentropy_logits,
+        loopax.optimizers.sgd(0.1),
+        train_metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
+        # Several devices: on one, the CPU runs a program on the thread that dispatches it.
+        devices=jax.devices()[:4],
+    )
+    loop = loopax.Loop(trainer, steps_per_execution=32)
+    now = [0.0]
+    progress = hooks.progress_bar(
+        loop, refresh_seconds=0, clock=lambda: now[0], file=io.StringIO(), lines=False
+    )
+    groups = {}
+    seen = {}
+
+    def before_the_bar(loop, metrics):
+        now[0] += 1.0
+        if loop.loop_step == 31:
+            groups[1] = loop.host_metrics()  # waits: the first group has finished
+            gate.clear()  # the second group will wait on the device
+
+    def after_the_bar(loop, metrics):
+        seen[loop.loop_step] = progress.shown_step, progress.shown_metrics, progress.bar.status
+        if loop.loop_step == 63:
+            gate.set()
+            groups[2] = loop.host_metrics()  # waits for the second group, now let through
+
+    # Without finite checks, which wait for the steps in flight.
+    loop.on_step("before", before_the_bar, priority=loopax.Priority.UI - 1, check_finite=False)
+    loop.on_step("after", after_the_bar, priority=loopax.Priority.UI + 1, check_finite=False)
+    loop.run_steps(make_data(loop_forever=True), 96)
+    assert not timed_out, "the bar waited for the group in flight"
+    first_text = seen[31][2].split("] ")[1]
+    assert seen[31][:2] == (32, groups[1]) and seen[31][2].startswith("step 32 of 96 [")
+    # The second group was still at the gate: the bar counted its steps, showed the first's.
+    assert seen[63][:2] == (32, groups[1]) and groups[2] != groups[1]
+    assert seen[63][2].startswith("step 64 of 96 [") and seen[63][2].endswith("] " + first_text)
+    # At the end the loop waited for every step: the bar shows the last one's.
+    assert progress.shown_step == 96 and progress.shown_metrics == loop.host_metrics()
