@@ -35,7 +35,7 @@ def kept(dispatches: list[Dispatch], turn_budget: int) -> list[Dispatch]:
     """
     size = 0
     for dispatch in dispatches:
-        if type(dispatch) is OnDevice:
+        if isinstance(dispatch, OnDevice):
             continue
         for array in as_list(dispatch.inputs):
             size += getattr(array, "nbytes", 0)
