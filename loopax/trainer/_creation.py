@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _background
 from ._models import no_parameters_message
+from ._packed import pack_abstract, worth_packing
 from ._state import TrainState, from_plain, to_plain
 
 if TYPE_CHECKING:
@@ -235,7 +236,14 @@ class StateCreator:
             None if init_params is None else given,
         )
         lowered = creation.lower(*arguments)  # here: tracing runs the model's code
-        abstract = self._strategy.abstract_placed(lowered.out_info.replace(rng=None))
+        out = lowered.out_info.replace(rng=None)
+        if (
+            out.ema_params is not None
+            and self._strategy.packs_average
+            and worth_packing(out.params)
+        ):
+            out = out.replace(ema_params=pack_abstract(out.ema_params))
+        abstract = self._strategy.abstract_placed(out)
         compiled = _background.submit(lowered.compile)
         return PendingState(compiled, arguments, abstract, rng, given_state)
 

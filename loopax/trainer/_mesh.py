@@ -136,6 +136,7 @@ class Sharded(Strategy):
     slices_in_scan = False  # a global-batch program gathers its fused steps' batches first
     axis_name = None
     annotates = True
+    packs_average = False  # the average is sharded as the parameters, leaf by leaf
 
     def __init__(self, mesh: Mesh, rules: Sequence[Any] | None, fsdp: bool):
         super().__init__(list(mesh.devices.flat))

@@ -50,6 +50,9 @@ class Strategy:
     # Whether a program can be compiled for a batch's shapes alone, before the batch comes
     # (`Trainer.compile_ahead`).
     compiles_ahead = True
+    # Whether the placed state keeps the EMA of the parameters packed (`_packed`): a
+    # replicated one may be; a mesh shards it as the parameters.
+    packs_average = True
 
     def __init__(self, devices: Sequence[Device]):
         self.devices = list(devices)
@@ -212,6 +215,9 @@ class MultiProcess(Strategy):
 
     multi_process = True
     compiles_ahead = False  # a global batch is assembled from this process's real arrays
+    # Read back on one process (a writer's hook), a packed average's unpacking would be a
+    # program over arrays that span the processes: kept leaf by leaf.
+    packs_average = False
 
     def __init__(self, devices: Sequence[Device]):
         super().__init__(devices)

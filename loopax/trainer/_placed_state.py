@@ -20,6 +20,7 @@ from ..optimizers._learning_rate import (
     set_learning_rate,
 )
 from ._models import NnxModel
+from ._packed import PackedAverage, pack, unpack_placed, worth_packing
 from ._state import TrainState, from_plain, state_from_tree, to_plain, tree_paths, with_ema
 
 if TYPE_CHECKING:
@@ -75,7 +76,10 @@ class PlacedState:
         """The whole train state without a device axis, or None; see `Trainer.state`."""
         if self.placed is None:
             return None
-        return self._strategy.unplace(self.placed).replace(rng=self.rng)
+        state = self._strategy.unplace(self.placed).replace(rng=self.rng)
+        if isinstance(state.ema_params, PackedAverage):
+            state = state.replace(ema_params=unpack_placed(state.ema_params, state.params))
+        return state
 
     @state.setter
     def state(self, state: TrainState) -> None:
@@ -101,6 +105,9 @@ class PlacedState:
             self._on_new_key()  # the steps were compiled with the old key
         self.rng = jnp.asarray(rng)
         host = self._strategy.host_state(state.replace(rng=None))
+        ema = host.ema_params
+        if ema is not None and self._strategy.packs_average and worth_packing(host.params):
+            host = host.replace(ema_params=pack(jax.tree.map(np.asarray, ema)))
         self._learning_rate_leaf = None  # found again in the new state
         # Without a schedule the rate changes only here (set_learning_rate adopts a state):
         # a log of it then needs no device copy.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..metrics._loss_average import LossMovingAverage
+from ._packed import PackedAverage, unpack
 
 
 @flax.struct.dataclass
@@ -55,7 +56,11 @@ class TrainState:
 
 def eval_params(state: TrainState) -> Any:
     """The parameters evaluation and prediction use: the EMA weights when kept, else `params`."""
-    return state.params if state.ema_params is None else state.ema_params
+    if state.ema_params is None:
+        return state.params
+    if isinstance(state.ema_params, PackedAverage):  # a step's placed state
+        return unpack(state.ema_params, state.params)
+    return state.ema_params
 
 
 def _key_name(key: Any) -> str:

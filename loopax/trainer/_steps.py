@@ -19,6 +19,7 @@ from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._host_metrics import HostMetrics
 from ._models import explained_model_errors
+from ._packed import averaged
 from ._parallel import Strategy
 from ._precision import (
     all_finite,
@@ -352,8 +353,7 @@ class StepBuilder:
                 loss_scale = next_dynamic_scale(state.loss_scale, grads_finite, loss_finite)
         ema = state.ema_params
         if config.ema_decay is not None:  # after each optimizer step; a skipped one keeps it
-            decay = config.ema_decay
-            ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
+            ema = averaged(ema, params, config.ema_decay)
             if ok is not None:
                 ema = jax.tree.map(lambda n, o: jnp.where(ok, n, o), ema, state.ema_params)
         loss_average = self.loss_average.add_loss(
