@@ -301,8 +301,6 @@ class TensorBoardWriter(MetricWriter):
                 kind, payload = self._queue.get(timeout=timeout)
             except queue.Empty:  # the periodic flush
                 kind, payload = "flush", None
-            else:
-                self._queue.task_done()
             if kind == "batch":
                 self._write(event_pb2, payload)
                 if flush_due is None:
