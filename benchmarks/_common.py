@@ -128,12 +128,19 @@ class CyclingDataset:
 # -- the hand-written baselines -----------------------------------------------------------
 
 
-def _hand_written_step(workload: Workload, axis_name: str | None, moving_average: bool = False):
+def _hand_written_step(
+    workload: Workload,
+    axis_name: str | None,
+    moving_average: bool = False,
+    ema_decay: float | None = None,
+):
     """A step `(state, x, y) -> (state, loss)`.
 
     With `moving_average`, the state also keeps the loss's moving average as `Trainer.train_step`
     does (weight `max(0.01, 1/count)`) and the step returns `(loss, average)`: what every loopax
-    step computes beyond it.
+    step computes beyond it. With `ema_decay`, the state's last entry is the moving average of
+    the parameters, `decay * ema + (1 - decay) * params` after each update (as
+    `Trainer(ema_decay=...)` keeps it).
     """
     model = workload.module()
     optimizer = workload.optimizer()
@@ -148,6 +155,16 @@ def _hand_written_step(workload: Workload, axis_name: str | None, moving_average
 
     def step(state, x, y):
         params, opt_state = state[:2]
+        if ema_decay is not None:
+            (params, opt_state), loss = plain((params, opt_state), x, y)
+            ema = jax.tree.map(
+                lambda e, p: ema_decay * e + (1 - ema_decay) * p, state[2], params
+            )
+            return (params, opt_state, ema), loss
+        return plain(state, x, y)
+
+    def plain(state, x, y):
+        params, opt_state = state
 
         def loss_of(p):
             logits = model.apply(p, x)
@@ -163,6 +180,8 @@ def _hand_written_step(workload: Workload, axis_name: str | None, moving_average
         params = model.init(jax.random.PRNGKey(0), x)
         if moving_average:
             return (params, optimizer.init(params), jnp.zeros((2,), jnp.float32))
+        if ema_decay is not None:
+            return (params, optimizer.init(params), jax.tree.map(jnp.copy, params))
         return (params, optimizer.init(params))
 
     return (step_with_average if moving_average else step), init
@@ -201,13 +220,18 @@ def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | N
 
 
 def hand_written(
-    workload: Workload, batches: Sequence[Batch], steps: int, moving_average: bool = False
+    workload: Workload,
+    batches: Sequence[Batch],
+    steps: int,
+    moving_average: bool = False,
+    ema_decay: float | None = None,
 ) -> Run:
     """The baseline: a jitted step with donated state, as a careful user writes it.
 
-    `moving_average`: keeping the loss's moving average too, see `_hand_written_step`.
+    `moving_average`: keeping the loss's moving average too; `ema_decay`: and a moving
+    average of the parameters; see `_hand_written_step`.
     """
-    step, init = _hand_written_step(workload, None, moving_average)
+    step, init = _hand_written_step(workload, None, moving_average, ema_decay)
     return _cycle(jax.jit(step, donate_argnums=0), init(batches[0][1][0]), batches, steps, None)
 
 
