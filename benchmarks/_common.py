@@ -157,9 +157,7 @@ def _hand_written_step(
         params, opt_state = state[:2]
         if ema_decay is not None:
             (params, opt_state), loss = plain((params, opt_state), x, y)
-            ema = jax.tree.map(
-                lambda e, p: ema_decay * e + (1 - ema_decay) * p, state[2], params
-            )
+            ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state[2], params)
             return (params, opt_state, ema), loss
         return plain(state, x, y)
 

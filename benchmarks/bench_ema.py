@@ -51,7 +51,8 @@ def ema_comparison(
     rows.append((WITH, timings.rate(WITH), timings.ratio(WITH, WITHOUT),
                  timings.spread(WITH, WITHOUT)))  # fmt: skip
     # What the same average costs a careful user: their step with it against without it.
-    rows.append((HAND, timings.rate(HAND), timings.ratio(HAND, WITHOUT), timings.spread(HAND, WITHOUT)))
+    rows.append((HAND, timings.rate(HAND), timings.ratio(HAND, WITHOUT),
+                 timings.spread(HAND, WITHOUT)))  # fmt: skip
     rows.append((f"{HAND_WITH} (vs hand-written)", timings.rate(HAND_WITH),
                  timings.ratio(HAND_WITH, HAND), timings.spread(HAND_WITH, HAND)))  # fmt: skip
     return {

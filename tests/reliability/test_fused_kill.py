@@ -2,7 +2,8 @@
 subprocesses (at a group end, in the middle of reading a group) and rerun in the same
 directory, with the same or another K, until it completes. The result must be the
 uninterrupted single-step run's, bit for bit: the final parameters, `loop.history` and the
-metrics_log rows.
+metrics_log rows. Each run is a child forked from one interpreter that imported JAX and
+loopax once (`zygote.py`).
 """
 
 import concurrent.futures
@@ -10,12 +11,11 @@ import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from zygote import Zygote
 
 WORKER = Path(__file__).with_name("fused_worker.py")
 TARGET = 160  # checkpoints at 48, 96, 144 (keep=2) and the end-of-run save at 160
@@ -53,18 +53,16 @@ def kill_and_data(options):
     return (kills[0] if kills else None), "on-device" in words
 
 
-def run_sequence(run_dir, runs, env):
+def run_sequence(run_dir, runs, zygote):
     results = []
     for steps_per_execution, options in runs:
-        command = [sys.executable, str(WORKER), str(run_dir), str(TARGET), str(steps_per_execution)]
+        command = [str(WORKER), str(run_dir), str(TARGET), str(steps_per_execution)]
         kill, on_device = kill_and_data(options)
         if kill is not None:
             command += ["--kill", kill]
         if on_device:
             command += ["--on-device"]
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_SECONDS
-        )
+        done = zygote.run(command, timeout=RUN_TIMEOUT_SECONDS)
         results.append((kill, done.returncode, done.stdout, done.stderr[-20000:]))
         if kill is not None and done.returncode != -signal.SIGKILL:
             break  # the kill did not come: what follows would test nothing
@@ -82,9 +80,9 @@ def scenarios(tmp_path_factory):
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
     )
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with Zygote(env) as zygote, concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {
-            name: pool.submit(run_sequence, root / f"run{index}", runs, env)
+            name: pool.submit(run_sequence, root / f"run{index}", runs, zygote)
             for index, (name, (runs, _)) in enumerate(SCENARIOS.items())
         }
     return {

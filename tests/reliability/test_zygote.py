@@ -1,0 +1,73 @@
+"""The kill matrices' forked workers (`zygote.py`) run a script as `python script args` does:
+as `__main__` with its arguments, a JAX of their own (configured by the environment), and
+Python's exit: non-daemon threads joined, then `atexit`, the exit status as subprocess reports
+it (a SIGKILL is -9, an uncaught exception 1, Ctrl-C -2), and a run past its timeout killed.
+"""
+
+import os
+import subprocess
+import textwrap
+
+import pytest
+from zygote import Zygote
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, os, signal, sys, threading, time
+    import jax
+
+    atexit.register(lambda: print("atexit", flush=True))
+    print(__name__, sys.argv[1:], len(jax.devices()), os.getcwd() == sys.argv[2], flush=True)
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread", flush=True))).start()
+    mode = sys.argv[1]
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "exit":
+        sys.exit(3)
+    elif mode == "raise":
+        raise ValueError("the worker failed")
+    elif mode == "interrupt":
+        raise KeyboardInterrupt
+    elif mode == "hang":
+        time.sleep(600)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3")
+    with Zygote(env) as started:
+        yield started
+
+
+@pytest.mark.parametrize(
+    ("mode", "returncode", "exits"),
+    [
+        ("ok", 0, True),
+        ("exit", 3, True),
+        ("raise", 1, True),
+        ("interrupt", -2, True),
+        ("kill", -9, False),
+    ],  # fmt: skip
+)
+def test_a_child_runs_the_script_as_python_would_and_exits_as_python_does(
+    zygote, tmp_path, mode, returncode, exits
+):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    done = zygote.run([script, mode, str(tmp_path)], cwd=str(tmp_path), timeout=60)
+    assert done.returncode == returncode, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first == f"__main__ ['{mode}', '{tmp_path}'] 3 True"
+    # The non-daemon thread ends before the atexit functions run, as at Python's exit.
+    assert done.stdout.splitlines()[1:] == (["thread", "atexit"] if exits else [])
+    if mode == "raise":
+        assert done.stderr.strip().endswith("ValueError: the worker failed")
+
+
+def test_a_child_past_its_timeout_is_killed(zygote, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run([script, "hang", str(tmp_path)], cwd=str(tmp_path), timeout=3)
