@@ -175,6 +175,8 @@ class Zygote:
     def run(self, argv: list[str], *, timeout: float, cwd: str | None = None):
         """Runs `python argv...` in a forked child; a `subprocess.CompletedProcess` (text)."""
         with self._lock:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the zygote has ended:\n{self._log.read_text()}")
             index = next(self._ids)
             futures = {"pid": Future(), "returncode": Future()}
             self._waiting[index] = futures
