@@ -153,16 +153,13 @@ def _hand_written_step(
         average = average * (1.0 - weight) + loss * weight
         return (params, opt_state, jnp.stack([average, count])), (loss, average)
 
+    def step_with_ema(state, x, y):
+        (params, opt_state), loss = step(state[:2], x, y)
+        ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state[2], params)
+        return (params, opt_state, ema), loss
+
     def step(state, x, y):
         params, opt_state = state[:2]
-        if ema_decay is not None:
-            (params, opt_state), loss = plain((params, opt_state), x, y)
-            ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state[2], params)
-            return (params, opt_state, ema), loss
-        return plain(state, x, y)
-
-    def plain(state, x, y):
-        params, opt_state = state
 
         def loss_of(p):
             logits = model.apply(p, x)
@@ -182,7 +179,9 @@ def _hand_written_step(
             return (params, optimizer.init(params), jax.tree.map(jnp.copy, params))
         return (params, optimizer.init(params))
 
-    return (step_with_average if moving_average else step), init
+    if moving_average:
+        return step_with_average, init
+    return (step if ema_decay is None else step_with_ema), init
 
 
 def _cycle(step, state, batches: Sequence[Batch], steps: int, in_flight: int | None) -> Run:

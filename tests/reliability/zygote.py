@@ -15,6 +15,7 @@ still what the signals, example and quiet tests run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -51,6 +52,7 @@ def child(request):
     os.close(protocol)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, request["out"]), (2, request["err"])):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
@@ -146,7 +148,7 @@ class Zygote:
                 env={**env, "PYTHONPATH": child_path},
             )
         self._lock = threading.Lock()
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
         self._waiting: dict[int, dict[str, Future]] = {}
         self._ready: Future = Future()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
@@ -161,7 +163,9 @@ class Zygote:
             if "ready" in message:
                 self._ready.set_result(True)
                 continue
-            futures = self._waiting[message["id"]]
+            futures = self._waiting.get(message["id"])
+            if futures is None:  # a run that gave up waiting (its pid never came in time)
+                continue
             key = "pid" if "pid" in message else "returncode"
             futures[key].set_result(message[key])
         # The zygote ended: nothing more will come.
@@ -187,14 +191,17 @@ class Zygote:
             assert self._process.stdin is not None
             self._process.stdin.write((json.dumps(request) + "\n").encode())
             self._process.stdin.flush()
-        pid = futures["pid"].result(timeout=60)
         try:
-            returncode = futures["returncode"].result(timeout=timeout)
-        except TimeoutError as late:
-            os.kill(pid, signal.SIGKILL)
-            futures["returncode"].result(timeout=60)
-            output, errors = out.read_text(), err.read_text()
-            raise subprocess.TimeoutExpired(argv, timeout, output, errors) from late
+            pid = futures["pid"].result(timeout=60)
+            try:
+                returncode = futures["returncode"].result(timeout=timeout)
+            except TimeoutError as late:
+                os.kill(pid, signal.SIGKILL)
+                futures["returncode"].result(timeout=60)
+                output, errors = out.read_text(), err.read_text()
+                raise subprocess.TimeoutExpired(argv, timeout, output, errors) from late
+        finally:
+            del self._waiting[index]  # its answers have all come (or never will)
         return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
 
     def __enter__(self) -> Zygote:
