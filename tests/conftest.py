@@ -29,3 +29,35 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault(
     "PYTHONWARNINGS", "ignore:Error reading persistent compilation cache entry:UserWarning"
 )
+
+import pytest  # noqa: E402  (after the environment above: pytest's plugins may import JAX)
+
+
+@pytest.fixture(scope="session")
+def zygote_server(tmp_path_factory):
+    """One fork server for this pytest process (`zygote.py`), started on first use."""
+    from zygote import Zygote  # noqa: PLC0415
+
+    with Zygote(dict(os.environ)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def forked_processes(zygote_server, tmp_path_factory):
+    """`loopax.testing.multiprocess` and `Processes` start their processes as children forked
+    from `zygote_server` instead of fresh interpreters (~1.4 s of imports each): the same
+    bootstrap, environment (the simulated device count included), session and log file.
+    `tests/testing/` keeps testing the fresh-interpreter launch itself."""
+    from loopax.testing import _multiprocess  # noqa: PLC0415
+
+    bootstrap = tmp_path_factory.mktemp("forked-processes") / "bootstrap.py"
+    bootstrap.write_text(_multiprocess._BOOTSTRAP)
+
+    def start(spec, log, env):
+        return zygote_server.start(
+            [str(bootstrap), spec], out=log, err=log, env=env, new_session=True
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_multiprocess, "_start_process", start)
+        yield

@@ -54,6 +54,23 @@ with open(spec["result"], "w") as f:
 """
 
 
+def _start_process(spec: str, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Starts one process of a group: a fresh interpreter running `_BOOTSTRAP` with `spec`.
+
+    The process runs in a session of its own (`Processes.kill` ends it and anything it
+    started), its stdout and stderr into `log`. loopax's own test suite starts them from a
+    pre-imported fork server instead, through this one seam.
+    """
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, spec],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
 class MultiprocessError(RuntimeError):
     """A process of a `multiprocess` run failed, hung or returned no value.
 
@@ -184,16 +201,7 @@ class Processes:
             log = self._dir / f"log{process_id}.txt"
             self._logs.append(log)
             self._results.append(Path(spec["result"]))
-            with open(log, "w") as out:
-                self.processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", _BOOTSTRAP, json.dumps(spec)],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=base_env,
-                        start_new_session=True,
-                    )
-                )
+            self.processes.append(_start_process(json.dumps(spec), log, base_env))
 
     @property
     def pids(self) -> list[int]:

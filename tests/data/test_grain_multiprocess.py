@@ -6,6 +6,9 @@ import pytest
 
 from loopax.testing import multiprocess
 
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
+
 grain = pytest.importorskip("grain")
 
 GLOBAL_BATCH = 8

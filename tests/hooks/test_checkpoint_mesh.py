@@ -18,6 +18,9 @@ import loopax
 from loopax import hooks
 from loopax.testing import multiprocess
 
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
+
 GLOBAL_BATCH = 8
 RULES = [("embed", None), ("mlp", "model")]
 

@@ -17,6 +17,9 @@ import pytest
 
 from loopax.testing import Processes, multiprocess
 
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
+
 TIMEOUT = 120  # per group of processes; a hang fails, it never waits forever
 BARRIER_TIMEOUT = 30.0  # seconds: the processes' own agreement timeout in these tests
 DEAD_TIMEOUT = 3.0  # the agreement timeout of the run that loses a process

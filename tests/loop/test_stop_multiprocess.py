@@ -3,7 +3,12 @@
 import signal
 import time
 
+import pytest
+
 from loopax.testing import Processes, multiprocess
+
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
 
 FOREVER = 10**6
 

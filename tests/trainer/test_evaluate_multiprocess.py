@@ -1,7 +1,12 @@
 """Uneven evaluation shares on 2 processes: the processes agree on every batch's size and pad
 with masked shards, so the results equal one process evaluating the union."""
 
+import pytest
+
 from loopax.testing import multiprocess
+
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
 
 EXAMPLES = 10
 FEATURES = 5

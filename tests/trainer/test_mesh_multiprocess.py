@@ -4,10 +4,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 
 import loopax
 from loopax.testing import multiprocess
 from loopax.trainer._state import to_plain  # the plain form a checkpoint restores
+
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
 
 STEPS = 20
 MESH = {"data": 2, "model": 2}

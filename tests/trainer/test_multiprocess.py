@@ -1,8 +1,12 @@
 """Multi-process data parallelism: 2 processes x 2 CPU devices == 1 device, same batches."""
 
 import numpy as np
+import pytest
 
 from loopax.testing import multiprocess
+
+# Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
+pytestmark = pytest.mark.usefixtures("forked_processes")
 
 GLOBAL_BATCH = 16
 

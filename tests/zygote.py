@@ -1,7 +1,8 @@
 """Worker processes forked from one interpreter that imported JAX and loopax once.
 
-The kill matrices start ~60 short training processes; each spent ~1.4 s of CPU importing
-JAX, Flax, loopax, Orbax and matplotlib before its first line of work. A `Zygote` is a
+The kill matrices and the multi-process tests start ~100 short JAX processes; each spent
+~1.4 s of CPU importing JAX, Flax, loopax, Orbax and matplotlib before its first line of
+work. A `Zygote` is a
 Python process that imports those once and forks a child per run: each child is a real,
 separate process (its own pid, killed by a real SIGKILL, its state on disk read back by the
 next child), running the worker script as `__main__` from a fresh JAX: the zygote never
@@ -10,7 +11,11 @@ initializes a backend or starts a thread, and checks both before it forks anythi
 What a child does not share with a fresh interpreter: its interpreter exit is Python's,
 replayed: the non-daemon threads joined (`threading._shutdown`), then the `atexit`
 functions, then the streams flushed, as `Py_Finalize` orders them. A real interpreter exit is
-still what the signals, example and quiet tests run.
+still what the signals, example and quiet tests run, and `loopax.testing`'s own tests.
+
+`forked_processes` (in conftest.py) makes `loopax.testing.multiprocess` and `Processes`
+start their processes here; a child gets the environment the test asked for (XLA reads
+`XLA_FLAGS`, the simulated device count, when the child's backend starts).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-PRELOAD = ("jax", "numpy", "flax.linen", "loopax", "loopax.hooks", "orbax.checkpoint",
-           "matplotlib", "tensorboard")  # fmt: skip
+PRELOAD = ("jax", "numpy", "flax.linen", "optax", "loopax", "loopax.hooks", "loopax.testing",
+           "orbax.checkpoint", "matplotlib", "tensorboard", "pytest")  # fmt: skip
 
 # The zygote's program: imports, checks it can fork safely, then serves requests (one JSON
 # line each on stdin) and answers on the protocol fd: {"ready"}, then per request its
@@ -50,15 +55,20 @@ def send(message):
 
 def child(request):
     os.close(protocol)
+    if request.get("new_session"):
+        os.setsid()  # as Popen(start_new_session=True): killpg(pid) reaches its children
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     for fd, path in ((1, request["out"]), (2, request["err"])):
+        if fd == 2 and path == request["out"]:
+            os.dup2(1, 2)  # stderr into the same file, as stderr=subprocess.STDOUT does
+            continue
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
     from zygote import run_child
-    run_child(request["argv"], request.get("cwd"))
+    run_child(request["argv"], request.get("cwd"), request.get("env"))
 
 
 send({"ready": True})
@@ -91,12 +101,14 @@ for pid in children:
 """
 
 
-def run_child(argv: list[str], cwd: str | None) -> None:
+def run_child(argv: list[str], cwd: str | None, env: dict[str, str] | None = None) -> None:
     """In the forked child: runs script `argv[0]` as `python argv...` would, then exits."""
     import atexit  # noqa: PLC0415
     import runpy  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
+    if env is not None:
+        _set_environment(env)
     if cwd is not None:
         os.chdir(cwd)
     script = os.path.abspath(argv[0])
@@ -128,6 +140,58 @@ def run_child(argv: list[str], cwd: str | None) -> None:
     os._exit(code & 0xFF)
 
 
+def _set_environment(env: dict[str, str]) -> None:
+    """The child's environment becomes `env`, as if its interpreter had started with it.
+
+    XLA reads `XLA_FLAGS` when the backend starts, after this; JAX read its `JAX_*` variables
+    when the zygote imported it, so those must be the zygote's (`JAX_PLATFORMS` excepted,
+    which is applied here).
+    """
+    import jax  # noqa: PLC0415
+
+    differ = sorted(
+        name
+        for name in {*env, *os.environ}
+        if name.startswith("JAX_") and name != "JAX_PLATFORMS"
+        if env.get(name) != os.environ.get(name)
+    )
+    if differ:
+        sys.exit(f"zygote: JAX read {differ} at import; a forked child cannot change them")
+    os.environ.clear()
+    os.environ.update(env)
+    if "JAX_PLATFORMS" in env:
+        jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
+
+
+class Child:
+    """A forked child, with the part of `subprocess.Popen` that tests use."""
+
+    def __init__(self, args: list[str], pid: int, returncode: Future):
+        self.args = args
+        self.pid = pid
+        self._returncode = returncode
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode.result() if self._returncode.done() else None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return self._returncode.result(timeout=timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class Zygote:
     """Starts the zygote with `env`; `run(argv)` is `subprocess.run([python, *argv])`'s stand-in.
 
@@ -149,6 +213,7 @@ class Zygote:
             )
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._names = itertools.count()
         self._waiting: dict[int, dict[str, Future]] = {}
         self._ready: Future = Future()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
@@ -176,32 +241,58 @@ class Zygote:
                 if not future.done():
                     future.set_exception(RuntimeError(f"zygote died:\n{self._log.read_text()}"))
 
-    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None):
-        """Runs `python argv...` in a forked child; a `subprocess.CompletedProcess` (text)."""
+    def start(
+        self,
+        argv: list[str],
+        *,
+        out: str | os.PathLike[str],
+        err: str | os.PathLike[str],
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> Child:
+        """Starts `python argv...` in a forked child writing to `out` and `err`.
+
+        `out` and `err` may be one path (one file, as `stderr=subprocess.STDOUT`); `env`
+        replaces the child's environment.
+        """
+        for path in (out, err):  # there at once, as Popen's parent opens them
+            open(path, "w").close()
         with self._lock:
             if self._process.poll() is not None:
                 raise RuntimeError(f"the zygote has ended:\n{self._log.read_text()}")
             index = next(self._ids)
             futures = {"pid": Future(), "returncode": Future()}
             self._waiting[index] = futures
-            out = Path(self._files.name) / f"{index}.out"
-            err = Path(self._files.name) / f"{index}.err"
             request = {"id": index, "argv": [str(a) for a in argv], "cwd": cwd,
-                       "out": str(out), "err": str(err)}  # fmt: skip
+                       "out": os.fspath(out), "err": os.fspath(err), "env": env,
+                       "new_session": new_session}  # fmt: skip
             assert self._process.stdin is not None
             self._process.stdin.write((json.dumps(request) + "\n").encode())
             self._process.stdin.flush()
+        # Its answers then come (or never will): the reader thread finds it no more.
+        futures["returncode"].add_done_callback(lambda _: self._waiting.pop(index, None))
         try:
             pid = futures["pid"].result(timeout=60)
-            try:
-                returncode = futures["returncode"].result(timeout=timeout)
-            except TimeoutError as late:
-                os.kill(pid, signal.SIGKILL)
-                futures["returncode"].result(timeout=60)
-                output, errors = out.read_text(), err.read_text()
-                raise subprocess.TimeoutExpired(argv, timeout, output, errors) from late
-        finally:
-            del self._waiting[index]  # its answers have all come (or never will)
+        except BaseException:
+            self._waiting.pop(index, None)
+            raise
+        return Child([str(a) for a in argv], pid, futures["returncode"])
+
+    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None):
+        """Runs `python argv...` in a forked child; a `subprocess.CompletedProcess` (text)."""
+        index = next(self._names)
+        out = Path(self._files.name) / f"run{index}.out"
+        err = Path(self._files.name) / f"run{index}.err"
+        child = self.start(argv, out=out, err=err, cwd=cwd)
+        try:
+            returncode = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as late:
+            child.kill()
+            child.wait(timeout=60)
+            raise subprocess.TimeoutExpired(
+                argv, timeout, out.read_text(), err.read_text()
+            ) from late
         return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
 
     def __enter__(self) -> Zygote:
