@@ -12,8 +12,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -274,47 +272,31 @@ def test_loop_evaluate_of_an_unnamed_grain_dataset_asks_for_a_name(trainer):
 
 
 def worker_command(directory, target, out, *flags):
-    return [sys.executable, __file__, str(directory), str(target), str(out), *flags]
+    return [__file__, str(directory), str(target), str(out), *flags]
 
 
-def worker_env(tmp_path):
-    # The runs compile the same step: share it through JAX's disk cache.
-    return dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=os.environ.get(
-            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache")
-        ),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
-
-def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(tmp_path):
-    env = worker_env(tmp_path)
-    reference = subprocess.Popen(  # in parallel with the killed run
+def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(zygote_server, tmp_path):
+    # Real processes, forked from one pre-imported interpreter (tests/zygote.py); the runs
+    # compile the same step and share it through the run's JAX compilation cache (conftest.py).
+    reference = zygote_server.start(  # in parallel with the killed run
         worker_command(tmp_path / "reference", 14, tmp_path / "ref.npz"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+        out=tmp_path / "reference.log",
+        err=tmp_path / "reference.log",
     )
-    directory, out = tmp_path / "killed", tmp_path / "out.npz"
-    killed = subprocess.run(
-        worker_command(directory, 14, out, "--kill-after-save", "8"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert "resumed from step None" in killed.stdout
-    finished = subprocess.run(
-        worker_command(directory, 14, out), capture_output=True, text=True, timeout=120, env=env
-    )
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert "resumed from step 8" in finished.stdout  # saved every 4 steps: 4, 8
-    _, errors = reference.communicate(timeout=120)
-    assert reference.returncode == 0, errors[-3000:]
+    try:
+        directory, out = tmp_path / "killed", tmp_path / "out.npz"
+        killed = zygote_server.run(
+            worker_command(directory, 14, out, "--kill-after-save", "8"), timeout=120
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert "resumed from step None" in killed.stdout
+        finished = zygote_server.run(worker_command(directory, 14, out), timeout=120)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        assert "resumed from step 8" in finished.stdout  # saved every 4 steps: 4, 8
+        reference.wait(timeout=120)
+    finally:
+        reference.kill()  # a hung one (nothing if it ended)
+    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
     want, got = np.load(tmp_path / "ref.npz"), np.load(out)
     assert sorted(want.files) == sorted(got.files)
     for name in want.files:

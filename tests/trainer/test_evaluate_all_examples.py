@@ -7,8 +7,6 @@ out of every merge. Results are checked against NumPy over every example and one
 
 import itertools
 import json
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -354,44 +352,51 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _run_workers(tmp_path, num_processes, local_examples):
+def _run_workers(zygote, tmp_path, num_processes, local_examples):
+    """Runs the worker in processes forked from the pre-imported `zygote` (tests/zygote.py)."""
     worker = tmp_path / "eval_worker.py"
     worker.write_text(WORKER)
     port = str(free_port())
+    logs = [tmp_path / f"worker{num_processes}-{index}.log" for index in range(len(local_examples))]
     processes = [
-        subprocess.Popen(
-            [sys.executable, str(worker), port, str(num_processes), str(index), str(examples)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        zygote.start(
+            [worker, port, str(num_processes), str(index), str(examples)], out=log, err=log
         )
-        for index, examples in enumerate(local_examples)
+        for (index, examples), log in zip(enumerate(local_examples), logs, strict=True)
     ]
+    try:
+        for process in processes:
+            process.wait(timeout=240)
+    finally:
+        for process in processes:
+            process.kill()  # a hung one (nothing if it ended)
     results = []
-    for process in processes:
-        out, _ = process.communicate(timeout=240)
+    for process, log in zip(processes, logs, strict=True):
+        out = log.read_text()
         assert process.returncode == 0, out
         (line,) = [line for line in out.splitlines() if line.startswith("RESULTS ")]
         results.append(json.loads(line[len("RESULTS ") :]))
     return results
 
 
-def test_two_processes_evaluate_every_example_once(tmp_path):
+def test_two_processes_evaluate_every_example_once(zygote_server, tmp_path):
     # 7 examples per process in batches of 4: the last batch holds 3 per process, which
     # the 2 devices of each process do not divide.
-    (reference,) = _run_workers(tmp_path, 0, [14])
-    results = _run_workers(tmp_path, 2, [7, 7])
+    (reference,) = _run_workers(zygote_server, tmp_path, 0, [14])
+    results = _run_workers(zygote_server, tmp_path, 2, [7, 7])
     for result in results:
         assert list(result) == ["mean_loss", "Accuracy"]
         for name in reference:
             np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_with_different_batch_sizes_evaluate_the_union(tmp_path):
+def test_two_processes_with_different_batch_sizes_evaluate_the_union(zygote_server, tmp_path):
     # Last batches of 3 and 1 examples (issue 21: this raised before, and hung with different
     # numbers of batches): the processes agree on each batch's sizes and pad with masked shards.
-    (reference,) = _run_workers(tmp_path, 0, [12])  # examples 0-6 and 7-11, on one device
-    results = _run_workers(tmp_path, 2, [7, 5])
+    (reference,) = _run_workers(
+        zygote_server, tmp_path, 0, [12]
+    )  # examples 0-6 and 7-11, on one device
+    results = _run_workers(zygote_server, tmp_path, 2, [7, 5])
     for result in results:
         assert list(result) == ["mean_loss", "Accuracy"]
         for name in reference:

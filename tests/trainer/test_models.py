@@ -1,9 +1,6 @@
 """Any model in: a model function, a Flax Linen module or a Flax NNX module, trained alike on
 1 and 4 simulated devices, checkpointed and resumed exactly; init_params; no parameters."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -151,24 +148,12 @@ def test_nnx_resume_is_bit_identical(tmp_path, devices):
         np.testing.assert_array_equal(want, got)
 
 
-def test_nnx_kill_and_resume_in_real_processes_is_bit_identical(tmp_path):
-    env = dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=os.environ.get(
-            "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache")
-        ),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
+def test_nnx_kill_and_resume_in_real_processes_is_bit_identical(zygote_server, tmp_path):
+    # Real processes, forked from one pre-imported interpreter (tests/zygote.py); they share
+    # the run's JAX compilation cache (conftest.py).
     def run(directory, out, *flags):
-        return subprocess.run(
-            [sys.executable, str(WORKER), str(directory), "15", str(out), "--nnx", *flags],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=env,
-        )
+        argv = [WORKER, directory, "15", out, "--nnx", *flags]
+        return zygote_server.run(argv, timeout=180)
 
     reference = run(tmp_path / "reference", tmp_path / "reference.npz")
     assert reference.returncode == 0, reference.stderr[-3000:]
