@@ -852,6 +852,12 @@ def main() -> None:
         "data, issue 25; lm: the transformer LM of examples/transformer_lm.py)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 if a row could not be measured (a worker failed, Keras "
+        "missing): CI's smoke run",
+    )
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fused-devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -917,6 +923,14 @@ def main() -> None:
         progress("ema: starting")
         sections += bench_ema.sections(args, on_round=round_progress)
     print_table(sections, started, load_before)
+    unmeasured = [
+        f"{section['title']}: {row[0]}: {row[1]}"
+        for _, section in sections
+        for row in section["rows"]
+        if len(row) == 2 and str(row[1]).startswith("n/a")
+    ]
+    if args.strict and unmeasured:
+        sys.exit("rows not measured:\n  " + "\n  ".join(unmeasured))
 
 
 if __name__ == "__main__":
