@@ -279,12 +279,19 @@ class Zygote:
             raise
         return Child([str(a) for a in argv], pid, futures["returncode"])
 
-    def run(self, argv: list[str], *, timeout: float, cwd: str | None = None):
+    def run(
+        self,
+        argv: list[str],
+        *,
+        timeout: float,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         """Runs `python argv...` in a forked child; a `subprocess.CompletedProcess` (text)."""
         index = next(self._names)
         out = Path(self._files.name) / f"run{index}.out"
         err = Path(self._files.name) / f"run{index}.err"
-        child = self.start(argv, out=out, err=err, cwd=cwd)
+        child = self.start(argv, out=out, err=err, cwd=cwd, env=env)
         try:
             returncode = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired as late:
