@@ -107,15 +107,15 @@ def run_child(argv: list[str], cwd: str | None, env: dict[str, str] | None = Non
     import runpy  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
-    if env is not None:
-        _set_environment(env)
-    if cwd is not None:
-        os.chdir(cwd)
-    script = os.path.abspath(argv[0])
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)  # where `python script` looks first
     code, interrupted = 0, False
     try:
+        if env is not None:
+            _set_environment(env)  # may refuse: SystemExit, caught below like the script's
+        if cwd is not None:
+            os.chdir(cwd)
+        script = os.path.abspath(argv[0])
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(script)  # where `python script` looks first
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit:
         if exit.code is None or isinstance(exit.code, int):

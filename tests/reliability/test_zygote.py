@@ -71,3 +71,44 @@ def test_a_child_past_its_timeout_is_killed(zygote, tmp_path):
     script.write_text(SCRIPT)
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run([script, "hang", str(tmp_path)], cwd=str(tmp_path), timeout=3)
+
+
+ENVIRONMENT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import jax
+
+    print(os.environ.get("ZYGOTE_MARK"), len(jax.devices()), os.getsid(0) == os.getpid())
+    print("to stderr", file=sys.stderr)
+    """
+)
+
+
+def test_a_child_gets_the_environment_and_session_asked_for_and_one_log(zygote, tmp_path):
+    script = tmp_path / "environment.py"
+    script.write_text(ENVIRONMENT_SCRIPT)
+    env = dict(os.environ, ZYGOTE_MARK="marked",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
+    log = tmp_path / "log.txt"
+    child = zygote.start([script], out=log, err=log, env=env, new_session=True)
+    assert log.exists()  # at once, as a Popen's parent opens its files
+    assert child.wait(timeout=60) == 0, log.read_text()
+    # XLA reads the device count when the child's backend starts: 2 here, 3 in the zygote.
+    assert log.read_text().splitlines() == ["marked 2 True", "to stderr"]
+    assert child.poll() == 0 and child.returncode == 0
+
+
+def test_a_child_refuses_a_jax_variable_that_jax_read_in_the_zygote(zygote, tmp_path):
+    script = tmp_path / "environment.py"
+    script.write_text(ENVIRONMENT_SCRIPT)
+    env = dict(os.environ, JAX_ENABLE_X64="1")
+    done = zygote.run([script], timeout=60, env=env)
+    assert done.returncode == 1
+    assert "JAX read ['JAX_ENABLE_X64'] at import" in done.stderr
+    assert done.stdout == ""
+    # The zygote still serves (the refusing child exited; it did not go on as a zygote).
+    env = dict(
+        os.environ, ZYGOTE_MARK="again", XLA_FLAGS="--xla_force_host_platform_device_count=1"
+    )
+    again = zygote.run([script], timeout=60, env=env)
+    assert again.stdout.splitlines() == ["again 1 False"], again.stderr
