@@ -34,7 +34,7 @@ import pytest  # noqa: E402  (after the environment above: pytest's plugins may 
 
 
 @pytest.fixture(scope="session")
-def zygote_server(tmp_path_factory):
+def zygote_server():
     """One fork server for this pytest process (`zygote.py`), started on first use."""
     from zygote import Zygote  # noqa: PLC0415
 

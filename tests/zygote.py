@@ -2,16 +2,17 @@
 
 The kill matrices and the multi-process tests start ~100 short JAX processes; each spent
 ~1.4 s of CPU importing JAX, Flax, loopax, Orbax and matplotlib before its first line of
-work. A `Zygote` is a
-Python process that imports those once and forks a child per run: each child is a real,
-separate process (its own pid, killed by a real SIGKILL, its state on disk read back by the
-next child), running the worker script as `__main__` from a fresh JAX: the zygote never
-initializes a backend or starts a thread, and checks both before it forks anything.
+work. A `Zygote` is a Python process that imports those once and forks a child per run:
+each child is a real, separate process (its own pid, killed by a real SIGKILL, its state on
+disk read back by the next child), running the worker script as `__main__` from a fresh
+JAX: the zygote never initializes a backend or starts a thread, and checks both before it
+forks anything.
 
 What a child does not share with a fresh interpreter: its interpreter exit is Python's,
 replayed: the non-daemon threads joined (`threading._shutdown`), then the `atexit`
 functions, then the streams flushed, as `Py_Finalize` orders them. A real interpreter exit is
-still what the signals, example and quiet tests run, and `loopax.testing`'s own tests.
+still what the signals and quiet tests run, the README's digits job, the checkpoint hook's
+exit test and `loopax.testing`'s own tests.
 
 `forked_processes` (in conftest.py) makes `loopax.testing.multiprocess` and `Processes`
 start their processes here; a child gets the environment the test asked for (XLA reads
@@ -184,6 +185,15 @@ class Child:
         except TimeoutError:
             raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
 
+    def finish(self, timeout: float) -> int:
+        """Waits up to `timeout` seconds; past it, kills the child and raises TimeoutExpired."""
+        try:
+            return self.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait(timeout=60)
+            raise
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
@@ -213,7 +223,6 @@ class Zygote:
             )
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._names = itertools.count()
         self._waiting: dict[int, dict[str, Future]] = {}
         self._ready: Future = Future()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
@@ -288,18 +297,15 @@ class Zygote:
         env: dict[str, str] | None = None,
     ):
         """Runs `python argv...` in a forked child; a `subprocess.CompletedProcess` (text)."""
-        index = next(self._names)
-        out = Path(self._files.name) / f"run{index}.out"
-        err = Path(self._files.name) / f"run{index}.err"
+        name = next(self._ids)  # any unused number names the files
+        out = Path(self._files.name) / f"run{name}.out"
+        err = Path(self._files.name) / f"run{name}.err"
         child = self.start(argv, out=out, err=err, cwd=cwd, env=env)
         try:
-            returncode = child.wait(timeout=timeout)
+            returncode = child.finish(timeout)
         except subprocess.TimeoutExpired as late:
-            child.kill()
-            child.wait(timeout=60)
-            raise subprocess.TimeoutExpired(
-                argv, timeout, out.read_text(), err.read_text()
-            ) from late
+            output, errors = out.read_text(), err.read_text()
+            raise subprocess.TimeoutExpired(argv, timeout, output, errors) from late
         return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
 
     def __enter__(self) -> Zygote:

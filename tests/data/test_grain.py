@@ -283,20 +283,16 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run_bit_for_bit(zygote_se
         out=tmp_path / "reference.log",
         err=tmp_path / "reference.log",
     )
-    try:
-        directory, out = tmp_path / "killed", tmp_path / "out.npz"
-        killed = zygote_server.run(
-            worker_command(directory, 14, out, "--kill-after-save", "8"), timeout=120
-        )
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-        assert "resumed from step None" in killed.stdout
-        finished = zygote_server.run(worker_command(directory, 14, out), timeout=120)
-        assert finished.returncode == 0, finished.stderr[-3000:]
-        assert "resumed from step 8" in finished.stdout  # saved every 4 steps: 4, 8
-        reference.wait(timeout=120)
-    finally:
-        reference.kill()  # a hung one (nothing if it ended)
-    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    directory, out = tmp_path / "killed", tmp_path / "out.npz"
+    killed = zygote_server.run(
+        worker_command(directory, 14, out, "--kill-after-save", "8"), timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "resumed from step None" in killed.stdout
+    finished = zygote_server.run(worker_command(directory, 14, out), timeout=120)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "resumed from step 8" in finished.stdout  # saved every 4 steps: 4, 8
+    assert reference.finish(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     want, got = np.load(tmp_path / "ref.npz"), np.load(out)
     assert sorted(want.files) == sorted(got.files)
     for name in want.files:

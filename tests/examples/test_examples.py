@@ -157,12 +157,9 @@ def test_digits_grain_trains_and_resumes_exactly(zygote_server, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 300" in second.stdout
     assert "differ from an uninterrupted run" not in second.stderr, second.stderr[-3000:]
-    try:
-        uninterrupted.wait(timeout=300)
-    finally:
-        uninterrupted.kill()  # a hung one (nothing if it ended)
+    returncode = uninterrupted.finish(timeout=300)
+    assert returncode == 0, (tmp_path / "uninterrupted.err").read_text()[-3000:]
     output = log.read_text()
-    assert uninterrupted.returncode == 0, (tmp_path / "uninterrupted.err").read_text()[-3000:]
     # The same batches after the resume: the same results at step 350.
     at_350 = output[output.index("Step 350:") :]
     assert second.stdout[second.stdout.index("Step 350:") :] == at_350
