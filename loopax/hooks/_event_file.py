@@ -23,7 +23,7 @@ from typing import Any
 _CRC32C_POLYNOMIAL = 0x82F63B78  # Castagnoli, reflected
 _MASK_DELTA = 0xA282EAD8
 _FILE_VERSION = "brain.Event:2"
-_uids = itertools.count()  # two files opened in one second by one process differ
+_uids = itertools.count()  # files opened in one second by one process differ, in order
 
 
 def _crc32c_table() -> tuple[int, ...]:
@@ -82,7 +82,7 @@ class EventFile:
         os.makedirs(logdir, exist_ok=True)
         name = (
             f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.{next(_uids)}"
+            f"{os.getpid()}.{next(_uids):06d}"
         )
         self.path = os.path.join(logdir, name)
         self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())

@@ -4,7 +4,9 @@ TensorFlow is never imported: events are built from the protos in `tensorboard.c
 and written to an event file (`_event_file.EventFile`) in a background thread, so the loop
 never waits on disk.
 `TensorBoardWriter` is a `MetricWriter`: `write_metrics` feeds it, with the keys every
-writer uses (`train/loss`, `eval/test/Accuracy`, ...).
+writer uses (`train/loss`, `eval/test/Accuracy`, ...). Its layout puts each key in a run
+directory: by default one per dataset (`train`, `eval/<dataset>`, the key's metric name as
+the tag, so TensorBoard draws training and evaluation on one chart), or all in `logdir`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -35,6 +37,83 @@ from ._writers import MetricWriter, Waiter, write_metrics
 RUN_SUMMARY_TAG = "run/summary"
 _HISTOGRAM_BUCKETS = 30
 
+PER_DATASET = "per_dataset"
+SINGLE = "single"
+LAYOUTS = (PER_DATASET, SINGLE)
+TRAIN_RUN = "train"
+_EVAL_RUNS = "eval"
+_EVENT_FILE_PREFIX = "events.out.tfevents."
+# In its dataset's run, an evaluation's loss takes the train loss's tag: one chart for both.
+_RUN_TAGS = {"mean_loss": "loss"}
+
+
+def check_layout(layout: Any) -> str:
+    """Returns `layout` if it is one of `LAYOUTS`.
+
+    Raises:
+      ValueError: it is not, naming the choices.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"tensorboard: layout={layout!r} is not one of {list(LAYOUTS)}; "
+            f"{PER_DATASET!r} (the default) writes a run directory per dataset, "
+            f"{SINGLE!r} every tag into logdir itself"
+        )
+    return layout
+
+
+def _safe_component(part: str) -> str:
+    # A dataset name becomes directories: no empty, "." or ".." component leaves the logdir.
+    return "_" if part in ("", ".", "..") else part
+
+
+def run_and_tag(layout: str, key: str) -> tuple[str, str]:
+    """The run directory (relative to the logdir, `""` for itself) and tag of `key`.
+
+    With the `"per_dataset"` layout, `train/<metric>` goes to run `train` as `<metric>`,
+    `eval/<dataset>/<metric>` to run `eval/<dataset>` as `<metric>` (`mean_loss` as `loss`,
+    beside the train loss), and any other tag (the run summary, parameter histograms) to run
+    `train` unchanged. With `"single"`, every key is a tag of the logdir itself.
+
+    Example:
+      >>> run_and_tag("per_dataset", "eval/test/mean_loss")
+      ('eval/test', 'loss')
+      >>> run_and_tag("per_dataset", "train/loss"), run_and_tag("single", "train/loss")
+      (('train', 'loss'), ('', 'train/loss'))
+    """
+    if layout == SINGLE:
+        return "", key
+    kind, _, rest = key.partition("/")
+    if kind == TRAIN_RUN and rest:
+        return TRAIN_RUN, rest
+    if kind == _EVAL_RUNS:
+        dataset, _, metric = rest.rpartition("/")
+        if dataset and metric:
+            parts = "/".join(_safe_component(part) for part in dataset.split("/"))
+            return f"{_EVAL_RUNS}/{parts}", _RUN_TAGS.get(metric, metric)
+    return TRAIN_RUN, key
+
+
+def _has_events(directory: str) -> bool:
+    try:
+        return any(name.startswith(_EVENT_FILE_PREFIX) for name in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def existing_runs(logdir: str) -> set[str]:
+    """The runs of the `"per_dataset"` layout that hold event files under `logdir`.
+
+    `train`, every directory under `eval` with events, and `""` (the logdir itself) when
+    it holds events (a run started with the single layout). Other directories (another
+    program's runs, the profile plugin's) are left alone.
+    """
+    runs = {run for run in ("", TRAIN_RUN) if _has_events(os.path.join(logdir, run))}
+    for directory, _, names in os.walk(os.path.join(logdir, _EVAL_RUNS)):
+        if any(name.startswith(_EVENT_FILE_PREFIX) for name in names):
+            runs.add(os.path.relpath(directory, logdir).replace(os.sep, "/"))
+    return runs
+
 
 def _format_bytes(count: int) -> str:
     size = float(count)
@@ -51,10 +130,32 @@ def _path_name(path: tuple) -> str:
     )
 
 
-def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
-    """A Markdown summary of the run: command line, devices, parameter count, bytes and shapes.
+def _variables_table(tree: Any, title: str, column: str) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    count = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
+    size = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
+    lines = [
+        "",
+        f"**{title}:** {count:,} ({_format_bytes(size)})",
+        "",
+        f"| {column} | shape | dtype | count |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {_path_name(path)} | {tuple(leaf.shape)} | {np.dtype(leaf.dtype).name} | "
+        f"{int(np.prod(leaf.shape)):,} |"
+        for path, leaf in leaves
+    ]
+    return lines
 
-    Reads only shapes and dtypes: no device value.
+
+def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
+    """A Markdown summary of the run: command line, devices, and the model's variables.
+
+    The parameters' count, bytes and shapes, then, when the model has any, its other
+    variables' (the mutable collections, e.g. BatchNorm's `batch_stats/...`), each path
+    starting with its collection, as bobbin's environment info lists them. Reads only
+    shapes and dtypes: no device value.
     """
     argv = sys.argv if argv is None else argv
     devices = trainer.devices
@@ -65,23 +166,11 @@ def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
         f"**devices:** {len(devices)} ({', '.join(kinds)}; {trainer.parallel}, "
         f"{jax.process_count()} process(es))",
     ]
-    params = trainer.params
-    if params is not None:
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        count = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
-        size = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
-        lines += [
-            "",
-            f"**parameters:** {count:,} ({_format_bytes(size)})",
-            "",
-            "| parameter | shape | dtype | count |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {_path_name(path)} | {tuple(leaf.shape)} | {np.dtype(leaf.dtype).name} | "
-            f"{int(np.prod(leaf.shape)):,} |"
-            for path, leaf in leaves
-        ]
+    state = trainer.state
+    if state is not None and state.params is not None:
+        lines += _variables_table(state.params, "parameters", "parameter")
+        if jax.tree_util.tree_leaves(state.model_state):
+            lines += _variables_table(state.model_state, "other variables", "variable")
     return "\n".join(lines)
 
 
@@ -154,18 +243,35 @@ class TensorBoardWriter(MetricWriter):
     (or every `max_pending` writes): building events is pure Python and holds the GIL, and
     one wake-up a second instead of one per write keeps a small model's loop fast.
 
+    With the `"per_dataset"` layout each run directory (`train`, `eval/<dataset>`) has its
+    own event file, opened at its first event; a truncation (`truncate_after`) goes to every
+    run directory there is, so each drops the same points.
+
     Args:
       logdir: the directory of the event files (created).
-      flush_seconds: how often the event file is flushed while running.
+      flush_seconds: how often the event files are flushed while running.
       max_pending: hand the collected writes over once this many are waiting.
+      layout: `"per_dataset"` (a run directory per dataset, tags without the
+        `train/` / `eval/<dataset>/` prefix; see `run_and_tag`) or `"single"` (every tag,
+        prefix included, in `logdir` itself).
+
+    Raises:
+      ValueError: `layout` is not one of those, or `max_pending` < 1.
     """
 
     logdir: str
+    layout: str
 
     def __init__(
-        self, logdir: str | os.PathLike[str], *, flush_seconds: float = 10.0, max_pending: int = 64
+        self,
+        logdir: str | os.PathLike[str],
+        *,
+        flush_seconds: float = 10.0,
+        max_pending: int = 64,
+        layout: str = PER_DATASET,
     ):
         self.logdir = _validate.path("logdir", logdir)
+        self.layout = check_layout(layout)
         self._flush_seconds = flush_seconds
         self._max_pending = positive_int("max_pending", max_pending)
         self._outbox: list[tuple[str, int, Any]] = []
@@ -175,7 +281,8 @@ class TensorBoardWriter(MetricWriter):
         self._open_error: BaseException | None = None
         self._open_error_reported = False
         self._thread: threading.Thread | None = None
-        self._writer: EventFile | None = None
+        self._event_pb2: Any = None
+        self._files: dict[str, EventFile] = {}  # by run ("" for the logdir itself)
         self._closed = False
 
     # -- caller's side --------------------------------------------------------------------
@@ -232,10 +339,12 @@ class TensorBoardWriter(MetricWriter):
         self._put(("histograms", step, dict(values)))
 
     def truncate_after(self, step: int) -> None:
-        """Writes a `SessionLog.START` at `step + 1`.
+        """Writes a `SessionLog.START` at `step + 1`, into every run directory.
 
-        TensorBoard then drops every event of a later step written before it (a resumed or
-        rolled-back run writes them again).
+        TensorBoard then drops every event of a later step written before it in that run (a
+        resumed or rolled-back run writes them again). With the `"per_dataset"` layout it
+        goes to every run this writer opened and every one on disk (`train`, `eval/...`),
+        so a resumed process truncates the evaluations of the run it resumes too.
         """
         self._put(("restart", step + 1, None))
 
@@ -265,7 +374,7 @@ class TensorBoardWriter(MetricWriter):
         self.flush_async()()
 
     def close(self) -> None:
-        """Flushes and closes the event file; further writes raise."""
+        """Flushes and closes the event files; further writes raise."""
         if self._thread is None or self._closed or self._open_error_reported:
             self._closed = True  # (a file never opened, and said so: nothing to close)
             return
@@ -277,21 +386,39 @@ class TensorBoardWriter(MetricWriter):
 
     # -- writer thread --------------------------------------------------------------------
 
-    def _open(self) -> tuple[Any, EventFile | None]:
-        """Writer thread: TensorBoard's event protos and the event file.
+    def _main_run(self) -> str:
+        return TRAIN_RUN if self.layout == PER_DATASET else ""
 
-        `(None, None)` when they could not be had (the error is kept for the loop).
+    def _open(self) -> None:
+        """Writer thread: TensorBoard's event protos and the main run's event file.
+
+        Leaves no files when they could not be had (the error is kept for the loop).
         """
         try:
             from tensorboard.compat.proto import event_pb2
 
-            return event_pb2, EventFile(self.logdir, event_pb2)
+            self._event_pb2 = event_pb2
+            self._file(self._main_run())
         except BaseException as err:  # reported to the loop at its next write, and after
             self._open_error = err
-            return None, None
+            self._files = {}
+
+    def _file(self, run: str) -> EventFile:
+        """Writer thread: the event file of `run`, opened at its first event."""
+        file = self._files.get(run)
+        if file is None:
+            file = EventFile(os.path.join(self.logdir, run), self._event_pb2)
+            self._files[run] = file
+        return file
+
+    def _runs_to_truncate(self) -> list[str]:
+        if self.layout == SINGLE:
+            return [""]
+        runs = {self._main_run(), *self._files, *existing_runs(self.logdir)}
+        return sorted(runs)
 
     def _work(self) -> None:
-        event_pb2, self._writer = self._open()
+        self._open()
         flush_due = None  # when written events are next flushed, while some are not
         while True:
             timeout = None if flush_due is None else max(0.0, flush_due - time.monotonic())
@@ -302,46 +429,69 @@ class TensorBoardWriter(MetricWriter):
             except queue.Empty:  # the periodic flush
                 kind, payload = "flush", None
             if kind == "batch":
-                self._write(event_pb2, payload)
+                self._write(payload)
                 if flush_due is None:
                     flush_due = time.monotonic() + self._flush_seconds
             elif kind == "close":
-                if self._writer is not None:
-                    self._writer.close()
+                for file in self._files.values():
+                    file.close()
                 return
             elif kind == "flush":
                 flush_due = None
                 try:
-                    if self._writer is not None:
-                        self._writer.flush()
+                    for file in self._files.values():
+                        file.flush()
                 except BaseException as err:
                     self._error = err
                 if payload is not None:
                     payload.set()
 
-    def _write(self, event_pb2: Any, items: list[tuple[str, int, Any]]) -> None:
+    def _by_run(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """`{key: value}` as `{run: {tag: value}}`.
+
+        A tag two keys map to in one run (an eval metric named `loss` beside `mean_loss`)
+        keeps its key's own metric name instead.
+        """
+        placed = [(key, *run_and_tag(self.layout, key)) for key in values]
+        own = {(run, tag) for key, run, tag in placed if key == tag or key.endswith(f"/{tag}")}
+        runs: dict[str, dict[str, Any]] = {}
+        for key, run, tag in placed:
+            name = key.rpartition("/")[2]
+            if tag == _RUN_TAGS.get(name) and key != tag and (run, tag) in own:
+                tag = name
+            runs.setdefault(run, {})[tag] = values[key]
+        return runs
+
+    def _write(self, items: list[tuple[str, int, Any]]) -> None:
         """Writer thread: reads a batch's device values at once, then writes its events."""
-        if self._error is not None or self._writer is None:
+        if self._error is not None or not self._files:
             return
-        builders: dict[str, Callable[[Any], Any]] = {
-            "scalars": _scalar_summary,
-            "text": lambda tag_text: _text_summary(*tag_text),
-            "histograms": _histogram_summary,
-        }
+        event_pb2 = self._event_pb2
         try:
             payloads = jax.device_get([payload for _, _, payload in items])
             for (kind, step, _), payload in zip(items, payloads, strict=True):
+                now = time.time()
                 if kind == "restart":
-                    event = event_pb2.Event(
-                        wall_time=time.time(),
-                        step=step,
-                        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
-                    )
+                    for run in self._runs_to_truncate():
+                        self._file(run).add(
+                            event_pb2.Event(
+                                wall_time=now,
+                                step=step,
+                                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+                            )
+                        )
+                    continue
+                if kind == "text":
+                    tag, text = payload
+                    run, tag = run_and_tag(self.layout, tag)
+                    summaries = {run: _text_summary(tag, text)}
                 else:
-                    event = event_pb2.Event(
-                        wall_time=time.time(), step=step, summary=builders[kind](payload)
-                    )
-                self._writer.add(event)
+                    build = _scalar_summary if kind == "scalars" else _histogram_summary
+                    summaries = {
+                        run: build(values) for run, values in self._by_run(payload).items()
+                    }
+                for run, summary in summaries.items():
+                    self._file(run).add(event_pb2.Event(wall_time=now, step=step, summary=summary))
         except BaseException as err:  # reported to the loop at its next write
             self._error = err
 
@@ -354,23 +504,31 @@ def tensorboard(
     histograms_every_n_steps: int | None = None,
     learning_rate: bool = True,
     summary: bool = True,
+    layout: str = PER_DATASET,
     flush_seconds: float = 10.0,
     max_pending: int = 64,
     priority: int = Priority.LOG,
 ) -> TensorBoardWriter:
     """Writes TensorBoard event files (no TensorFlow needed) for `tensorboard --logdir`.
 
-    Scalars (the step is the trainer's global step), with the keys every loopax writer,
-    monitor and `loop.history` use:
-    - `train/<metric>` for every train metric (`train/loss`, `train/moving_average_loss`, ...)
-      every `every_n_steps` and at the end of each run, plus `train/learning_rate` when the
-      optimizer exposes it (`loopax.optimizers`, `optax.inject_hyperparams`);
-    - `eval/<dataset>/<metric>` (e.g. `eval/test/mean_loss`) for every evaluation.
-    At the first step of the process, a text summary `run/summary`: command line, devices,
-    parameter count, bytes and shapes. With `histograms_every_n_steps`, histograms
-    `params/<path>` of the parameters. On a resume or rollback a `SessionLog.START` makes
-    TensorBoard drop the points after the restored step; before each checkpoint commits,
-    the events are on disk. Only process 0 writes.
+    One run directory per dataset, as Keras writes `train/` and `validation/` (bobbin's
+    `MultiDirectorySummaryWriter`), so TensorBoard draws training and evaluation curves of
+    a metric on one chart (the step is the trainer's global step):
+    - `<logdir>/train`: every train metric under its own name (`loss`,
+      `moving_average_loss`, ...) every `every_n_steps` and at the end of each run, plus
+      `learning_rate` when the optimizer exposes it (`loopax.optimizers`,
+      `optax.inject_hyperparams`), and the points other hooks add (`hooks.throughput`);
+    - `<logdir>/eval/<dataset>`: every evaluation's metrics under their own names, its
+      `mean_loss` as `loss` (beside the train loss), e.g. `eval/test` `accuracy`.
+    The loopax key of a point (`train/loss`, `eval/test/mean_loss`: those of every other
+    writer and `loop.history`) is its run directory and tag; `layout="single"` writes the
+    keys themselves as tags, all in `logdir` (the layout of earlier loopax releases).
+    At the first step of the process, a text summary `run/summary` in the `train` run:
+    command line, devices, parameter and other variable (BatchNorm statistics, ...) counts,
+    bytes and shapes. With `histograms_every_n_steps`, histograms `params/<path>` of the
+    parameters, in the `train` run. On a resume or rollback a `SessionLog.START` in every
+    run directory makes TensorBoard drop the points after the restored step; before each
+    checkpoint commits, the events are on disk. Only process 0 writes.
 
     Args:
       loop: the `loopax.Loop`.
@@ -379,7 +537,9 @@ def tensorboard(
       histograms_every_n_steps: write parameter histograms on that schedule; None for none.
       learning_rate: write `train/learning_rate` with the train scalars.
       summary: write the `run/summary` text at the first step.
-      flush_seconds: how often the event file is flushed while running.
+      layout: `"per_dataset"` (the default: a run directory per dataset, as above) or
+        `"single"` (every tag, with its `train/` or `eval/<dataset>/` prefix, in `logdir`).
+      flush_seconds: how often the event files are flushed while running.
       max_pending: writes collect on the loop's side and go to the writer thread in one
         batch a second, or sooner once `max_pending` have collected.
       priority: the hooks' priority (default `Priority.LOG`: after evaluations).
@@ -388,11 +548,31 @@ def tensorboard(
       The `TensorBoardWriter` (`flush()`, `close()`).
 
     Raises:
-      ValueError: `every_n_steps` or `histograms_every_n_steps` is not a positive int, or
-        `max_pending` < 1.
+      ValueError: `every_n_steps` or `histograms_every_n_steps` is not a positive int,
+        `max_pending` < 1, or `layout` is not one of those.
+
+    Example:
+      >>> import os, tempfile, numpy as np, optax, flax.linen as nn, jax
+      >>> import loopax
+      >>> from loopax import hooks, losses
+      >>> trainer = loopax.Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]),
+      ...                          losses.mean_squared_error, optax.sgd(0.1),
+      ...                          devices=jax.devices()[:1])
+      >>> data = loopax.ArrayDataset(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32),
+      ...                            batch_size=4, loop_forever=True)
+      >>> loop = loopax.Loop(trainer)
+      >>> _ = hooks.evaluate(loop, loopax.ArrayDataset(np.ones((4, 2), np.float32),
+      ...     np.ones((4, 1), np.float32), batch_size=4, name="val"), every_n_steps=2)
+      >>> logdir = tempfile.mkdtemp()
+      >>> writer = hooks.tensorboard(loop, logdir, every_n_steps=2)
+      >>> _ = loop.run_steps(data, 2)
+      >>> sorted(os.listdir(logdir)), os.listdir(os.path.join(logdir, "eval"))
+      (['eval', 'train'], ['val'])
     """
     logdir = _validate.path("logdir", logdir, "tensorboard: ")
-    writer = TensorBoardWriter(logdir, flush_seconds=flush_seconds, max_pending=max_pending)
+    writer = TensorBoardWriter(
+        logdir, flush_seconds=flush_seconds, max_pending=max_pending, layout=layout
+    )
     histograms = None if histograms_every_n_steps is None else EveryNSteps(histograms_every_n_steps)
     name = f"tensorboard({logdir})"
     write_metrics(

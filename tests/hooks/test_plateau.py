@@ -198,9 +198,9 @@ def test_the_live_rate_in_tensorboard(trainer, tmp_path):
     hooks.reduce_lr_on_plateau(loop, MONITOR, patience=1, factor=0.5)
     hooks.tensorboard(loop, tmp_path, every_n_steps=1)
     loop.run_steps(train_data(), 8)
-    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(tmp_path / "train"), size_guidance={"scalars": 0})
     events.Reload()
-    written = [(s.step, s.value) for s in events.Scalars("train/learning_rate")]
+    written = [(s.step, s.value) for s in events.Scalars("learning_rate")]
     # The value at global step g is the rate of the steps after g: the reductions decided
     # at the evaluations of steps 4 and 8 show there.
     assert written == approx_pairs(

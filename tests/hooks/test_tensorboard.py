@@ -1,5 +1,5 @@
 """`tensorboard`: event files read back with TensorBoard's own reader and served by a real
-`tensorboard --logdir` server."""
+`tensorboard --logdir` server; a run directory per dataset, or (`layout="single"`) one."""
 
 import io
 import json
@@ -12,16 +12,26 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import pytest
-from observability_helpers import LEARNING_RATE, make_data, make_trainer, record_compilations
+from observability_helpers import (
+    LEARNING_RATE,
+    ONE_DEVICE,
+    make_data,
+    make_trainer,
+    record_compilations,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard_runs import keyed_scalars, read_runs
 
 import loopax
 from loopax import hooks
 
 TRAIN_TAGS = ["train/loss", "train/moving_average_loss", "train/Moving Average Accuracy"]
+RUN_TAGS = ["loss", "moving_average_loss", "Moving Average Accuracy"]  # in the train run
 
 
 def read_events(logdir):
@@ -46,8 +56,46 @@ def run_logged(logdir, steps=12, **kwargs):
     return loop, writer, recorded, compiled
 
 
-def test_scalars_read_back_with_event_accumulator(tmp_path):
+def test_a_run_directory_per_dataset_with_the_metric_names_as_tags(tmp_path):
     loop, writer, recorded, compiled = run_logged(tmp_path, every_n_steps=5)
+    runs = read_runs(tmp_path)  # the runs `tensorboard --logdir` finds
+    assert sorted(runs) == ["eval/test", "train"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["eval", "train"]
+    train, test = runs["train"], runs["eval/test"]
+    assert set(train.Tags()["scalars"]) == {*RUN_TAGS, "learning_rate"}
+    # The evaluation's loss is tagged `loss` like the train loss: one chart draws both.
+    assert set(test.Tags()["scalars"]) == {"loss", "Accuracy"}
+    for tag in RUN_TAGS:
+        scalars = train.Scalars(tag)
+        # every 5 steps (global steps 5, 10) and at the end of the run (12)
+        assert [s.step for s in scalars] == [5, 10, 12]
+        np.testing.assert_allclose(
+            [s.value for s in scalars], [recorded[step][tag] for step in (5, 10, 12)], rtol=1e-6
+        )
+    assert [s.value for s in train.Scalars("learning_rate")] == pytest.approx([LEARNING_RATE] * 3)
+    assert [s.step for s in test.Scalars("loss")] == [6, 12]
+    # One key for one metric: each run's points are those of the loop's history keys.
+    scalars = keyed_scalars(tmp_path)
+    assert set(scalars) == {*TRAIN_TAGS, "train/learning_rate", *loop.history.keys()}
+    for key, points in scalars.items():
+        assert [(step, pytest.approx(value)) for step, value in points] == loop.history[key]
+    # The run summary, as Markdown text at the first step, in the train run.
+    assert train.Tags()["tensors"] == ["run/summary"] and test.Tags()["tensors"] == []
+    summary = train.Tensors("run/summary")
+    text = summary[0].tensor_proto.string_val[0].decode()
+    assert summary[0].step == 1
+    assert "**parameters:** 58 (232 B)" in text  # Dense(4 -> 8) + Dense(8 -> 2)
+    # Flax numbers the outer Dense(2) first: it is created before the inner Dense(8).
+    assert "| Dense_1/kernel | (4, 8) | float32 | 32 |" in text
+    assert "**devices:** 1 (cpu" in text and "**command line:**" in text
+    assert "other variables" not in text  # this model has parameters only
+    assert compiled == []  # logging never compiles anything
+    assert not [name for name in sys.modules if name.split(".")[0] == "tensorflow"]
+
+
+def test_the_single_layout_keeps_every_key_as_a_tag_in_the_logdir(tmp_path):
+    loop, writer, recorded, compiled = run_logged(tmp_path, every_n_steps=5, layout="single")
+    assert [path.name for path in tmp_path.iterdir() if path.is_dir()] == []
     events = read_events(tmp_path)
     scalar_tags = events.Tags()["scalars"]
     assert set(scalar_tags) == {
@@ -58,29 +106,41 @@ def test_scalars_read_back_with_event_accumulator(tmp_path):
     }
     for tag in TRAIN_TAGS:
         scalars = events.Scalars(tag)
-        # every 5 steps (global steps 5, 10) and at the end of the run (12)
         assert [s.step for s in scalars] == [5, 10, 12]
         key = tag.split("/", 1)[1]
         np.testing.assert_allclose(
             [s.value for s in scalars], [recorded[step][key] for step in (5, 10, 12)], rtol=1e-6
         )
-    assert [s.value for s in events.Scalars("train/learning_rate")] == pytest.approx(
-        [LEARNING_RATE] * 3
-    )
     assert [s.step for s in events.Scalars("eval/test/mean_loss")] == [6, 12]
-    # One key for one metric: TensorBoard's tags are the loop's history keys, same values.
     for tag in scalar_tags:
         assert [(s.step, pytest.approx(s.value)) for s in events.Scalars(tag)] == loop.history[tag]
-    # The run summary, as Markdown text at the first step.
     summary = events.Tensors("run/summary")
-    text = summary[0].tensor_proto.string_val[0].decode()
-    assert summary[0].step == 1
-    assert "**parameters:** 58 (232 B)" in text  # Dense(4 -> 8) + Dense(8 -> 2)
-    # Flax numbers the outer Dense(2) first: it is created before the inner Dense(8).
-    assert "| Dense_1/kernel | (4, 8) | float32 | 32 |" in text
-    assert "**devices:** 1 (cpu" in text and "**command line:**" in text
-    assert compiled == []  # logging never compiles anything
-    assert not [name for name in sys.modules if name.split(".")[0] == "tensorflow"]
+    assert "**parameters:** 58 (232 B)" in summary[0].tensor_proto.string_val[0].decode()
+    assert compiled == []
+
+
+def test_an_eval_metric_named_loss_keeps_its_own_tag_beside_mean_loss(tmp_path):
+    writer = loopax.hooks.TensorBoardWriter(tmp_path)
+    writer.write_scalars(3, {"eval/val/mean_loss": 0.5, "eval/val/loss": 0.25, "train/loss": 1})
+    writer.write_scalars(3, {"eval/my/set/mean_loss": 0.75, "eval/../x": 2.0, "lr": 0.1})
+    writer.close()
+    runs = {
+        run: {
+            tag: [(s.step, pytest.approx(s.value)) for s in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]
+        }
+        for run, events in read_runs(tmp_path).items()
+    }
+    assert runs == {
+        "eval/val": {"mean_loss": [(3, 0.5)], "loss": [(3, 0.25)]},
+        "train": {"loss": [(3, 1.0)], "lr": [(3, 0.1)]},  # another tag: in the train run
+        "eval/my/set": {"loss": [(3, 0.75)]},  # a dataset name with "/": nested directories
+        "eval/_": {"x": [(3, 2.0)]},  # no dataset name leaves the logdir
+    }
+    with pytest.raises(
+        ValueError, match=r"layout='flat' is not one of \['per_dataset', 'single'\]"
+    ):
+        hooks.tensorboard(loopax.Loop(make_trainer()), tmp_path, layout="flat")
 
 
 def test_histograms_and_a_second_run(tmp_path):
@@ -88,7 +148,8 @@ def test_histograms_and_a_second_run(tmp_path):
         tmp_path, steps=4, every_n_steps=100, histograms_every_n_steps=2, summary=False
     )
     loop.run_steps(make_data(loop_forever=True), 3)  # a second run appends to the same file
-    events = read_events(tmp_path)
+    assert sorted(read_runs(tmp_path)) == ["eval/test", "train"]
+    events = read_events(tmp_path / "train")
     assert "run/summary" not in events.Tags()["tensors"]
     histograms = [tag for tag in events.Tags()["tensors"] if tag.startswith("params/")]
     assert sorted(histograms) == [
@@ -102,7 +163,7 @@ def test_histograms_and_a_second_run(tmp_path):
     buckets = np.frombuffer(kernel[0].tensor_proto.tensor_content, np.float64).reshape(-1, 3)
     assert buckets[:, 2].sum() == 32  # every kernel entry lands in a bucket
     # every_n_steps=100 never fires: only the ends of both runs are logged
-    assert [s.step for s in events.Scalars("train/loss")] == [4, 7]
+    assert [s.step for s in events.Scalars("loss")] == [4, 7]
     writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         writer.write_scalars(8, {"train/loss": 0.0})
@@ -161,15 +222,18 @@ def test_a_real_tensorboard_server_serves_the_scalars(tmp_path):
                 tags = _get_json(f"{base}/tags")
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 tags = {}
-            if tags.get(".", {}).get("eval/test/Accuracy"):
+            if tags.get("eval/test", {}).get("Accuracy"):
                 break
             time.sleep(0.25)  # polling an external server: nothing to inject a clock into
-        assert set(tags) == {"."}, tags
-        assert {*TRAIN_TAGS, "train/learning_rate", "eval/test/mean_loss"} <= set(tags["."])
-        query = urllib.parse.urlencode({"tag": "train/loss", "run": "."})
-        points = _get_json(f"{base}/scalars?{query}")  # [[wall_time, step, value], ...]
-        assert [step for _, step, _ in points] == [4, 8, 12]
-        assert all(np.isfinite(value) for _, _, value in points)
+        assert set(tags) == {"train", "eval/test"}, tags
+        assert {*RUN_TAGS, "learning_rate"} <= set(tags["train"])
+        assert {"loss", "Accuracy"} == set(tags["eval/test"])
+        # One chart, `loss`, holds a curve per run: training and evaluation overlaid.
+        for run, steps in (("train", [4, 8, 12]), ("eval/test", [6, 12])):
+            query = urllib.parse.urlencode({"tag": "loss", "run": run})
+            points = _get_json(f"{base}/scalars?{query}")  # [[wall_time, step, value], ...]
+            assert [step for _, step, _ in points] == steps
+            assert all(np.isfinite(value) for _, _, value in points)
     finally:
         server.terminate()
         try:
@@ -260,12 +324,15 @@ def test_written_events_reach_the_disk_every_flush_seconds_without_a_flush(tmp_p
     writer.write_scalars(3, {"train/loss": 0.5})
     deadline = time.monotonic() + 60  # the periodic flush comes after 0.05 s; never hang
     while time.monotonic() < deadline:
-        scalars = read_events(tmp_path).Tags()["scalars"]
+        # The writer thread makes the run directory with its event file.
+        scalars = (tmp_path / "train").is_dir() and read_events(tmp_path / "train").Tags()[
+            "scalars"
+        ]
         if scalars:
             break
         time.sleep(0.05)
-    assert scalars == ["train/loss"]
-    assert read_events(tmp_path).Scalars("train/loss")[0].step == 3
+    assert scalars == ["loss"]
+    assert read_events(tmp_path / "train").Scalars("loss")[0].step == 3
     writer.close()
 
 
@@ -291,6 +358,58 @@ print("loaded:", loaded)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loaded: []" in done.stdout, done.stdout
-    events = read_events(tmp_path / "tb")
-    assert "train/loss" in events.Tags()["scalars"]
+    events = read_events(tmp_path / "tb" / "train")
+    assert "loss" in events.Tags()["scalars"]
     assert any(tag.startswith("params/") for tag in events.Tags()["tensors"])
+
+
+def test_a_resume_drops_the_later_points_of_every_run_directory(tmp_path):
+    def attach():
+        loop = loopax.Loop(make_trainer())
+        hooks.evaluate(loop, make_data("test", 2, seed=1, shuffle=False), every_n_steps=2)
+        hooks.tensorboard(loop, tmp_path / "tb", every_n_steps=2, summary=False)
+        return loop, hooks.checkpoint(loop, tmp_path / "ckpt", every_n_steps=4, keep=None)
+
+    loop, checkpointer = attach()
+    loop.run_steps(make_data(loop_forever=True), 10)
+    checkpointer.wait()
+    uninterrupted = keyed_scalars(tmp_path / "tb")
+    assert [step for step, _ in uninterrupted["eval/test/mean_loss"]] == [2, 4, 6, 8, 10]
+    # Another writer (a resumed process's) goes back to step 4: the evaluations of the run
+    # directory it has not written to yet lose their later points too, and the steps run
+    # again give the uninterrupted run's points once each.
+    loop, checkpointer = attach()
+    assert checkpointer.restore(4) == 4
+    loop.run_to_step(make_data(loop_forever=True), 10)
+    resumed = keyed_scalars(tmp_path / "tb")
+    assert resumed.keys() == uninterrupted.keys()
+    for key, points in uninterrupted.items():
+        assert [step for step, _ in resumed[key]] == [step for step, _ in points], key
+        np.testing.assert_allclose([v for _, v in resumed[key]], [v for _, v in points], rtol=1e-6)
+        assert [(step, pytest.approx(value)) for step, value in resumed[key]] == loop.history[key]
+
+
+def test_the_run_summary_lists_the_model_s_other_variables(tmp_path):
+    def model_fn(ctx, spec, inputs):
+        hidden = nn.BatchNorm(use_running_average=not ctx.training)(nn.Dense(8)(inputs[0]))
+        return nn.Dense(2)(hidden)
+
+    trainer = loopax.Trainer(
+        model_fn,
+        loopax.losses.sparse_categorical_crossentropy_logits,
+        optax.sgd(0.1),
+        devices=ONE_DEVICE,
+    )
+    loop = loopax.Loop(trainer)
+    hooks.tensorboard(loop, tmp_path, every_n_steps=1)
+    loop.run_steps(make_data(loop_forever=True), 1)
+    [summary] = read_events(tmp_path / "train").Tensors("run/summary")
+    text = summary.tensor_proto.string_val[0].decode()
+    # Dense(4 -> 8) 40 + BatchNorm scale and bias 16 + Dense(8 -> 2) 18
+    assert "**parameters:** 74 (296 B)" in text
+    assert "| BatchNorm_0/scale | (8,) | float32 | 8 |" in text
+    # BatchNorm's running mean and variance, each path starting with its collection
+    assert "**other variables:** 16 (64 B)" in text
+    assert "| variable | shape | dtype | count |" in text
+    assert "| batch_stats/BatchNorm_0/mean | (8,) | float32 | 8 |" in text
+    assert "| batch_stats/BatchNorm_0/var | (8,) | float32 | 8 |" in text

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard_runs import keyed_scalars
 
 import loopax
 from loopax import hooks
@@ -494,15 +494,6 @@ def test_nan_guard_skips_and_rolls_back_as_with_single_steps(tmp_path, bad):
 # -- logs: history, metrics_log, TensorBoard --------------------------------------------------
 
 
-def read_scalars(logdir):
-    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
-    accumulator.Reload()
-    return {
-        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
-
-
 def logged_run(run_dir, steps_per_execution):
     loop = loopax.Loop(make_trainer(), steps_per_execution=steps_per_execution)
     hooks.evaluate(loop, make_test_data(), every_n_steps=25)
@@ -512,7 +503,7 @@ def logged_run(run_dir, steps_per_execution):
     loop.flush()
     with open(run_dir / "log.csv", newline="") as file:
         rows = list(csv.reader(file))
-    return loop.history.get_state(), rows, read_scalars(run_dir / "tb")
+    return loop.history.get_state(), rows, keyed_scalars(run_dir / "tb")
 
 
 def test_history_metrics_log_and_tensorboard_are_those_of_single_steps(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard_runs import keyed_scalars
 from zygote import Zygote
 
 WORKER = Path(__file__).with_name("reliability_worker.py")
@@ -160,14 +160,10 @@ def final_params(run_dir):
 
 
 def tensorboard_scalars(run_dir):
-    """{tag: [(step, value)]} as TensorBoard shows them: its reader drops the events that a
-    `SessionLog.START` (written by loopax on resume) says were superseded."""
-    accumulator = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {
-        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
+    """{key: [(step, value)]} as TensorBoard shows them, every run directory's (`train`,
+    `eval/<dataset>`) by loopax key: its reader drops the events that a `SessionLog.START`
+    (written by loopax on resume, into each run directory) says were superseded."""
+    return keyed_scalars(Path(run_dir) / "tb")
 
 
 def metrics_log_points(run_dir):
