@@ -15,7 +15,7 @@ from ..loop import Loop, Priority
 from ..optimizers._learning_rate import injected_hyperparameters
 from ._metric_info import is_writer_process
 from ._plot import PLOTTERS
-from ._tensorboard import run_summary
+from ._run_summary import run_summary
 from ._writers import MetricWriter, write_metrics
 
 _MAX_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics

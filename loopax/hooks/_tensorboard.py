@@ -14,8 +14,6 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import shlex
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -25,154 +23,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _validate
+from .. import _validate, metrics
 from .._validate import positive_int
-from ..loop import Loop, Priority
-from ..trainer import Trainer
+from ..loop import Evaluation, Loop, Priority
 from ._event_file import EventFile
 from ._metric_info import is_writer_process
+from ._run_summary import RUN_SUMMARY_TAG, path_name, run_summary
 from ._schedules import EveryNSteps, FirstNSteps
+from ._tensorboard_layout import (
+    PER_DATASET,
+    RUN_TAGS,
+    SINGLE,
+    TRAIN_RUN,
+    check_layout,
+    existing_runs,
+    run_and_tag,
+)
 from ._writers import MetricWriter, Waiter, write_metrics
 
-RUN_SUMMARY_TAG = "run/summary"
 _HISTOGRAM_BUCKETS = 30
-
-PER_DATASET = "per_dataset"
-SINGLE = "single"
-LAYOUTS = (PER_DATASET, SINGLE)
-TRAIN_RUN = "train"
-_EVAL_RUNS = "eval"
-_EVENT_FILE_PREFIX = "events.out.tfevents."
-# In its dataset's run, an evaluation's loss takes the train loss's tag: one chart for both.
-_RUN_TAGS = {"mean_loss": "loss"}
-
-
-def check_layout(layout: Any) -> str:
-    """Returns `layout` if it is one of `LAYOUTS`.
-
-    Raises:
-      ValueError: it is not, naming the choices.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(
-            f"tensorboard: layout={layout!r} is not one of {list(LAYOUTS)}; "
-            f"{PER_DATASET!r} (the default) writes a run directory per dataset, "
-            f"{SINGLE!r} every tag into logdir itself"
-        )
-    return layout
-
-
-def _safe_component(part: str) -> str:
-    # A dataset name becomes directories: no empty, "." or ".." component leaves the logdir.
-    return "_" if part in ("", ".", "..") else part
-
-
-def run_and_tag(layout: str, key: str) -> tuple[str, str]:
-    """The run directory (relative to the logdir, `""` for itself) and tag of `key`.
-
-    With the `"per_dataset"` layout, `train/<metric>` goes to run `train` as `<metric>`,
-    `eval/<dataset>/<metric>` to run `eval/<dataset>` as `<metric>` (`mean_loss` as `loss`,
-    beside the train loss), and any other tag (the run summary, parameter histograms) to run
-    `train` unchanged. With `"single"`, every key is a tag of the logdir itself.
-
-    Example:
-      >>> run_and_tag("per_dataset", "eval/test/mean_loss")
-      ('eval/test', 'loss')
-      >>> run_and_tag("per_dataset", "train/loss"), run_and_tag("single", "train/loss")
-      (('train', 'loss'), ('', 'train/loss'))
-    """
-    if layout == SINGLE:
-        return "", key
-    kind, _, rest = key.partition("/")
-    if kind == TRAIN_RUN and rest:
-        return TRAIN_RUN, rest
-    if kind == _EVAL_RUNS:
-        dataset, _, metric = rest.rpartition("/")
-        if dataset and metric:
-            parts = "/".join(_safe_component(part) for part in dataset.split("/"))
-            return f"{_EVAL_RUNS}/{parts}", _RUN_TAGS.get(metric, metric)
-    return TRAIN_RUN, key
-
-
-def _has_events(directory: str) -> bool:
-    try:
-        return any(name.startswith(_EVENT_FILE_PREFIX) for name in os.listdir(directory))
-    except OSError:
-        return False
-
-
-def existing_runs(logdir: str) -> set[str]:
-    """The runs of the `"per_dataset"` layout that hold event files under `logdir`.
-
-    `train`, every directory under `eval` with events, and `""` (the logdir itself) when
-    it holds events (a run started with the single layout). Other directories (another
-    program's runs, the profile plugin's) are left alone.
-    """
-    runs = {run for run in ("", TRAIN_RUN) if _has_events(os.path.join(logdir, run))}
-    for directory, _, names in os.walk(os.path.join(logdir, _EVAL_RUNS)):
-        if any(name.startswith(_EVENT_FILE_PREFIX) for name in names):
-            runs.add(os.path.relpath(directory, logdir).replace(os.sep, "/"))
-    return runs
-
-
-def _format_bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _path_name(path: tuple) -> str:
-    return "/".join(
-        str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path
-    )
-
-
-def _variables_table(tree: Any, title: str, column: str) -> list[str]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    count = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
-    size = sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
-    lines = [
-        "",
-        f"**{title}:** {count:,} ({_format_bytes(size)})",
-        "",
-        f"| {column} | shape | dtype | count |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {_path_name(path)} | {tuple(leaf.shape)} | {np.dtype(leaf.dtype).name} | "
-        f"{int(np.prod(leaf.shape)):,} |"
-        for path, leaf in leaves
-    ]
-    return lines
-
-
-def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
-    """A Markdown summary of the run: command line, devices, and the model's variables.
-
-    The parameters' count, bytes and shapes, then, when the model has any, its other
-    variables' (the mutable collections, e.g. BatchNorm's `batch_stats/...`), each path
-    starting with its collection, as bobbin's environment info lists them. Reads only
-    shapes and dtypes: no device value.
-    """
-    argv = sys.argv if argv is None else argv
-    devices = trainer.devices
-    kinds = sorted({device.device_kind for device in devices})
-    lines = [
-        f"**command line:** `{shlex.join(argv)}`",
-        "",
-        f"**devices:** {len(devices)} ({', '.join(kinds)}; {trainer.parallel}, "
-        f"{jax.process_count()} process(es))",
-    ]
-    state = trainer.state
-    if state is not None and state.params is not None:
-        lines += _variables_table(state.params, "parameters", "parameter")
-        if jax.tree_util.tree_leaves(state.model_state):
-            lines += _variables_table(state.model_state, "other variables", "variable")
-    return "\n".join(lines)
-
 
 _BURST_SECONDS = 1.0  # writes reach the writer thread in batches, at most this often
 _EVENT_QUEUE_SIZE = 1024  # serialized events waiting for the event file (~100 bytes each)
@@ -457,7 +326,7 @@ class TensorBoardWriter(MetricWriter):
         runs: dict[str, dict[str, Any]] = {}
         for key, run, tag in placed:
             name = key.rpartition("/")[2]
-            if tag == _RUN_TAGS.get(name) and key != tag and (run, tag) in own:
+            if tag == RUN_TAGS.get(name) and key != tag and (run, tag) in own:
                 tag = name
             runs.setdefault(run, {})[tag] = values[key]
         return runs
@@ -526,7 +395,9 @@ def tensorboard(
     At the first step of the process, a text summary `run/summary` in the `train` run:
     command line, devices, parameter and other variable (BatchNorm statistics, ...) counts,
     bytes and shapes. With `histograms_every_n_steps`, histograms `params/<path>` of the
-    parameters, in the `train` run. On a resume or rollback a `SessionLog.START` in every
+    parameters, in the `train` run. After each evaluation, the sample of every
+    `metrics.SampledSet` eval metric as a Markdown table (tag: its name, in the dataset's
+    run). On a resume or rollback a `SessionLog.START` in every
     run directory makes TensorBoard drop the points after the restored step; before each
     checkpoint commits, the events are on disk. Only process 0 writes.
 
@@ -596,6 +467,17 @@ def tensorboard(
             when=FirstNSteps(1, of_process=True),
             check_finite=False,
         )
+    sampled = [m for m in loop.trainer.eval_metrics if isinstance(m, metrics.SampledSet)]
+    if sampled:
+
+        def write_samples(loop: Loop, evaluation: Evaluation) -> None:
+            # Published right after its evaluation: each metric's latest sample is this one's.
+            for metric in sampled:
+                if metric.latest is not None:
+                    key = f"eval/{evaluation.dataset}/{metric.name}"
+                    writer.write_text(evaluation.step, key, metric.latest.table())
+
+        loop.on_evaluation(f"{name}: samples", write_samples, priority)
     if histograms is not None:
 
         def write_histograms(loop: Loop, metrics: Any) -> None:
@@ -604,7 +486,7 @@ def tensorboard(
             leaves = jax.tree_util.tree_flatten_with_path(loop.trainer.params)[0]
             writer.write_histograms(
                 loop.trainer.global_step,
-                {f"params/{_path_name(path)}": jnp.copy(leaf) for path, leaf in leaves},
+                {f"params/{path_name(path)}": jnp.copy(leaf) for path, leaf in leaves},
             )
 
         loop.on_step(

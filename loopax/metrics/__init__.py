@@ -5,7 +5,8 @@ the compiled step (see `Metric`), or a `HostMetric`, whose values leave the comp
 unread and are folded into a host-side state only when something reads the metric.
 Built-ins: `Mean` and `MovingAverage` over any `fn(labels, predictions)`, the accuracies
 `SparseCategoricalAccuracy`, `BinaryAccuracy`, `BinaryLogitsAccuracy` with their
-`MovingAverage...` variants, and the host metric `StreamingMedian` (with `median_loss`).
+`MovingAverage...` variants, and the host metrics `StreamingMedian` (with `median_loss`) and
+`SampledSet` (a uniform sample of examples' values, e.g. predictions beside their labels).
 """
 
 from ._accuracy import BinaryAccuracy as BinaryAccuracy
@@ -27,6 +28,9 @@ from ._mean import MovingAverageState as MovingAverageState
 from ._median import StreamingMedian as StreamingMedian
 from ._median import StreamingMedianState as StreamingMedianState
 from ._median import median_loss as median_loss
+from ._sampled import Sample as Sample
+from ._sampled import SampledSet as SampledSet
+from ._sampled import SampledSetState as SampledSetState
 
 __all__ = [
     "BinaryAccuracy",
@@ -40,6 +44,9 @@ __all__ = [
     "MovingAverageBinaryLogitsAccuracy",
     "MovingAverageSparseCategoricalAccuracy",
     "MovingAverageState",
+    "Sample",
+    "SampledSet",
+    "SampledSetState",
     "SparseCategoricalAccuracy",
     "StreamingMedian",
     "StreamingMedianState",
