@@ -29,6 +29,7 @@ from .loop import Schedule as Schedule
 from .trainer import Context as Context
 from .trainer import ExecInfo as ExecInfo
 from .trainer import Executor as Executor
+from .trainer import ReplicaMismatchError as ReplicaMismatchError
 from .trainer import Trainer as Trainer
 from .trainer import TrainState as TrainState
 
@@ -62,6 +63,7 @@ __all__ = [
     "Loop",
     "NonFiniteLossError",
     "Priority",
+    "ReplicaMismatchError",
     "Schedule",
     "TrainState",
     "Trainer",

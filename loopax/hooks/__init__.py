@@ -29,6 +29,7 @@ from ._profile import Profiler as Profiler
 from ._profile import profile as profile
 from ._progress import ProgressBar as ProgressBar
 from ._progress import progress_bar as progress_bar
+from ._replicas import check_replicas as check_replicas
 from ._schedules import AtSteps as AtSteps
 from ._schedules import EveryNEpochs as EveryNEpochs
 from ._schedules import EveryNSteps as EveryNSteps
@@ -85,6 +86,7 @@ __all__ = [
     "TimeLimit",
     "WriterHooks",
     "at_steps",
+    "check_replicas",
     "checkpoint",
     "early_stopping",
     "evaluate",

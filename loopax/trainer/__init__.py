@@ -7,10 +7,18 @@ from typing import Any
 from ._context import Context as Context
 from ._executors import ExecInfo as ExecInfo
 from ._executors import Executor as Executor
+from ._replicas import ReplicaMismatchError as ReplicaMismatchError
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer
 
-__all__ = ["Context", "ExecInfo", "Executor", "TrainState", "Trainer"]
+__all__ = [
+    "Context",
+    "ExecInfo",
+    "Executor",
+    "ReplicaMismatchError",
+    "TrainState",
+    "Trainer",
+]
 
 # Names that lived here before the Loop and the datasets got packages of their own:
 # `loopax.trainer.Loop` keeps working, with a DeprecationWarning naming the new home.

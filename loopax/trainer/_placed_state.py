@@ -21,6 +21,7 @@ from ..optimizers._learning_rate import (
 )
 from ._models import NnxModel
 from ._packed import PackedAverage, pack, unpack_placed, worth_packing
+from ._replicas import check_replicas
 from ._state import TrainState, from_plain, state_from_tree, to_plain, tree_paths, with_ema
 
 if TYPE_CHECKING:
@@ -70,6 +71,24 @@ class PlacedState:
         self.unverified_source: str | None = None
         self._learning_rate_leaf: int | None = None
         self._constant_learning_rate: float | None = None
+
+    def check_replicas(self) -> int:
+        """Compares the copies of every replicated array of the placed state.
+
+        See `_replicas.check_replicas`: each device fingerprints its blocks where they lie,
+        processes exchange the fingerprints, and the copies of each block are compared.
+
+        Returns:
+          How many arrays have copies on several devices (0 before the first step).
+
+        Raises:
+          ReplicaMismatchError: naming the first array and device whose copy differs.
+        """
+        if self.placed is None:
+            return 0
+        leaves = [("/".join(path), leaf) for path, leaf in tree_paths(self.placed)]
+        pmap = self._strategy.name == "pmap"  # its state has a leading device axis
+        return check_replicas(leaves, self._strategy.devices, device_axis=pmap)
 
     @property
     def state(self) -> TrainState | None:

@@ -166,14 +166,12 @@ class Trainer:
     @property
     def params(self) -> Any:
         """The trainable parameters, or None before the first step."""
-        state = self.state
-        return None if state is None else state.params
+        return getattr(self.state, "params", None)
 
     @property
     def ema_params(self) -> Any:
         """The parameters' moving average (`ema_decay`); None without one or before a state."""
-        state = self.state
-        return None if state is None else state.ema_params
+        return getattr(self.state, "ema_params", None)
 
     @property
     def train_metric_names(self) -> tuple[str, ...]:
@@ -267,6 +265,10 @@ class Trainer:
     def state_shardings(self) -> dict | None:
         """Every state leaf's `NamedSharding`, nested as `state_dict()` (None without state)."""
         return self._placed.state_shardings()
+
+    def check_replicas(self) -> int:
+        """Counts the arrays copied on devices; raises `ReplicaMismatchError` if copies differ."""
+        return self._placed.check_replicas()
 
     def sharding_report(self) -> str:
         """A text table of the state: path, shape, partition spec, bytes per device, totals."""
