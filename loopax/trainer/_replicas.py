@@ -103,14 +103,21 @@ def check_replicas(
         (device, [number for number, _ in items], _fingerprints([block for _, block in items]))
         for device, items in by_device.items()
     ]
-    table = np.full((len(arrays), len(devices)), _MISSING, np.int64)
+    # uint32 fingerprints and where they were taken: JAX's default 32-bit types exchange them
+    values = np.zeros((len(arrays), len(devices)), np.uint32)
+    taken = np.zeros((len(arrays), len(devices)), np.uint32)
     for device, numbers, fingerprints in started:
         for number, value in zip(numbers, jax.device_get(fingerprints), strict=True):
-            table[number, order[device.id]] = int(value)
-    if jax.process_count() > 1:
+            values[number, order[device.id]] = value
+            taken[number, order[device.id]] = 1
+    if jax.process_count() > 1:  # each device's fingerprints come from its own process
         from jax.experimental import multihost_utils
 
-        table = np.max(np.asarray(multihost_utils.process_allgather(table)), axis=0)
+        values, taken = (
+            np.asarray(gathered).astype(np.uint64).sum(axis=0)
+            for gathered in multihost_utils.process_allgather((values, taken))
+        )
+    table = np.where(taken > 0, values, _MISSING).astype(np.int64)
     compared = 0
     for number, (path, x) in enumerate(arrays):
         blocks: dict[tuple, list[Any]] = {}
