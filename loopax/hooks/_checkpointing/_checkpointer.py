@@ -7,6 +7,8 @@ On-disk layout (one Orbax `CheckpointManager` directory; step = `trainer.global_
                                  state (history, trigger and hook states), every process's
                                  dataset position
     <directory>/damaged/<step>/  checkpoints that could not be read or verified, moved aside
+    <directory>/abandoned/<step>/ checkpoints newer than the step a run continued from (after
+                                 a restore of an older step): another trajectory, moved aside
 
 The state is saved in its plain form (the names of `Trainer.state_dict()`), so it reads back
 into host arrays without knowing the model, onto any device count and process count. A
@@ -44,6 +46,7 @@ from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
 from ._format import make_bundle, named_train_metrics, positions_for
 from ._io import (
+    abandon_after,
     open_manager,
     read_agreed,
     read_metric_values,
@@ -381,6 +384,8 @@ class Checkpointer:
         self.loop.checkpointed_step = step
         self.loop.resume_from(step, loop_state)
         _logger.info("restored checkpoint %s (step %d)", self.directory / str(step), step)
+        if self.loop.running:  # a rollback: training goes on from `step` at once
+            self._abandon_after(step)
         return step
 
     def read(self, step: int) -> dict:
@@ -417,6 +422,7 @@ class Checkpointer:
         refuses its position, every process raises.
         """
         self._dataset = dataset
+        self._abandon_after(loop.trainer.global_step)
         saved, self._pending_datasets = self._pending_datasets, None
         if saved is None:
             return
@@ -427,6 +433,12 @@ class Checkpointer:
             self.coordination,
             f"positions{next(self._exchanges)}",
         )
+
+    def _abandon_after(self, step: int) -> None:
+        """Training goes on from `step`: the newer checkpoints are moved aside (`_io`)."""
+        key = f"abandon{next(self._exchanges)}"
+        if abandon_after(self._manager, self.directory, self.coordination, step, key):
+            self._best_values = None  # read again from the checkpoints left
 
     def save_on_trigger(self, loop: Loop, metrics: Any) -> None:
         """OnStep (or OnEpochEnd) at the steps of a save schedule: `save()`.

@@ -35,6 +35,8 @@ READABLE_VERSIONS = (1, 2, 3)
 STATE_ITEM = "state"
 BUNDLE_ITEM = "loopax"
 DAMAGED_DIR = "damaged"
+# Checkpoints newer than the step a run continued from: another trajectory, never resumed.
+ABANDONED_DIR = "abandoned"
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -57,7 +59,7 @@ def check_directory(directory: Path) -> None:
         return
     step_dirs, foreign = [], []
     for entry in sorted(os.listdir(directory)):
-        if entry.startswith(".") or TMP_MARK in entry or entry == DAMAGED_DIR:
+        if entry.startswith(".") or TMP_MARK in entry or entry in (DAMAGED_DIR, ABANDONED_DIR):
             continue
         if _step_of(entry) is not None and (directory / entry).is_dir():
             step_dirs.append(entry)
