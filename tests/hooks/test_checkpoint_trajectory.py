@@ -141,3 +141,25 @@ def test_a_fresh_start_beside_checkpoints_does_not_take_them_for_its_own(tmp_pat
     np.testing.assert_array_equal(
         kernel(checkpointer.read(3)["params"]), kernel(fresh.trainer.params)
     )
+
+
+def test_a_restore_inside_a_run_moves_the_newer_ones_at_once(tmp_path):
+    directory = tmp_path / "ckpt"
+    loop = loopax.Loop(make_trainer())
+    checkpointer = attach(loop, directory)
+    went_back = []
+
+    def back_to_three(loop, metrics):  # as a rollback to a given step would
+        if loop.trainer.global_step == 8 and not went_back:
+            went_back.append(checkpointer.restore(3))
+            went_back.append(sorted(os.listdir(directory / "abandoned")))
+
+    loop.on_step("back to 3", back_to_three, loopax.Priority.UI)
+    with pytest.warns(RuntimeWarning, match=r"from step 3, before checkpoints \[6\]"):
+        loop.run_to_step(make_dataset(), 10)
+    checkpointer.wait()
+    assert went_back == [3, ["6"]]
+    assert checkpointer.all_steps() == [3, 6, 9, 10]  # this trajectory's 6, saved again
+    resumed_trainer = make_trainer()
+    assert attach(loopax.Loop(resumed_trainer), directory).restored_step == 10
+    np.testing.assert_array_equal(kernel(resumed_trainer.params), kernel(loop.trainer.params))
