@@ -14,6 +14,7 @@ from ..trainer._state import overflow_steps, skipped_steps
 from ..trainer._steps import OVERFLOW_STEPS, SKIPPED_STEPS
 from ._batch_check import batch_advice
 from ._loop_metrics import GroupMetrics
+from ._rate_check import rate_problem
 
 MOVING_AVERAGE = "moving_average_loss"
 
@@ -156,12 +157,13 @@ class FiniteChecker:
     def _raise_first(self, loop: Any, window: Window, average: float) -> None:
         for step, loss in per_step(window, "loss"):
             if not math.isfinite(loss):
-                self.failure = NonFiniteLossError(
+                # A learning rate that is not finite is said first: the loss only follows it.
+                message = rate_problem(loop.trainer, step, loss) or (
                     f"the loss is {loss} at step {step} (global step {step + 1}), the first "
                     "non-finite step; stopped before any checkpoint could save it. "
-                    + _advice(loop, window, step),
-                    step,
+                    + _advice(loop, window, step)
                 )
+                self.failure = NonFiniteLossError(message, step)
                 raise self.failure
         step = window[-1][0]
         self.failure = NonFiniteLossError(

@@ -10,6 +10,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 NEVER = sys.maxsize  # a `Schedule.next_step` that will not come
+# `loop.shared_data` key: functions `fn(loop_step)` the loop calls each time it has waited
+# for its steps in flight through `loop_step` (in batches, never one by one): when steps
+# finished on the device, with no wait of its own (`hooks.throughput` times its windows so).
+FINISHED = "loopax.steps_finished"
 
 
 class RunInfo(Protocol):

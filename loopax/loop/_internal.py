@@ -12,16 +12,24 @@ from ..trainer._state import first_non_finite as first_non_finite
 from ..trainer._state import from_plain as from_plain
 from ..trainer._state import tree_paths as tree_paths
 from ._history import train_key as train_key
+from ._hook import FINISHED as FINISHED
 from ._hook import NEVER as NEVER
 from ._hook import AnyOf as AnyOf
+from ._signals import SIGNALS as SIGNALS
+from ._signals import exit_interrupted as exit_interrupted
+from ._signals import signal_name as signal_name
 
 __all__ = [
+    "FINISHED",
     "NEVER",
+    "SIGNALS",
     "AnyOf",
     "dataset_name",
+    "exit_interrupted",
     "first_non_finite",
     "from_plain",
     "reads_a_copy",
+    "signal_name",
     "train_key",
     "tree_paths",
 ]

@@ -18,7 +18,7 @@ from ..trainer._trainer import Trainer
 from ._ahead import AheadCompiles
 from ._batch_check import HELD_BYTES, kept
 from ._finite import FiniteChecker, NonFiniteLossError
-from ._hook import NEVER
+from ._hook import FINISHED, NEVER
 from ._hook_registry import HookRegistry
 from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
 from ._signals import Interrupts, exit_interrupted, signal_name
@@ -252,6 +252,8 @@ class Runner:
         """Waits for every step in flight and checks their losses."""
         window = self._in_flight.wait_all()
         if window:
+            for watch in self._owner.shared_data.get(FINISHED, ()):
+                watch(self._in_flight.finished[0])
             self._finite.verify(self._owner, window)
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
@@ -451,6 +453,8 @@ class Runner:
                 self._epoch_batches += count
                 window = push(metrics[indicator], (last, metrics, kept(dispatches, budget)))
                 if window is not None:
+                    for watch in self._owner.shared_data.get(FINISHED, ()):
+                        watch(self._in_flight.finished[0])
                     self._finite.verify(self._owner, window)
                     if loop_metrics.pending_logs:
                         loop_metrics.resolve_logs(window[-1][0])

@@ -31,6 +31,12 @@ class InFlight:
     Each step comes with a token (the loop's `(step, metrics, dispatches)`); the tokens of
     the steps waited for are returned, so the caller can read their values (and, for a bad
     loss, look at their batches) at no extra wait.
+
+    Attributes:
+      finished: after each wait, the token of the newest step known finished: the one
+        waited for, or a newer one already done (when the host came late, its dispatches
+        having blocked or its thread having slept, the device went on), found without
+        waiting (`jax.Array.is_ready`); None before the first wait.
     """
 
     def __init__(self, limit: int = DEFAULT_LIMIT):
@@ -39,6 +45,7 @@ class InFlight:
         self.limit = limit
         self._keep = limit // 2
         self._pending: collections.deque[tuple[jax.Array, Any]] = collections.deque()
+        self.finished: Any = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -55,6 +62,12 @@ class InFlight:
             return None
         done = [pending.popleft() for _ in range(len(pending) - self._keep)]
         done[-1][0].block_until_ready()
+        self.finished = done[-1][1]
+        for output, token in reversed(pending):  # steps finish in order: the newest done
+            ready = getattr(output, "is_ready", None)  # a jax.Array's (not in its stubs)
+            if ready is not None and ready():
+                self.finished = token
+                break
         return [token for _, token in done]
 
     def wait_all(self) -> list[Any]:
@@ -63,5 +76,6 @@ class InFlight:
             return []
         self._pending[-1][0].block_until_ready()
         done = [token for _, token in self._pending]
+        self.finished = done[-1]
         self._pending.clear()
         return done

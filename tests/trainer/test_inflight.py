@@ -64,3 +64,22 @@ def test_one_device_queues_more_steps_than_several():
     waits, pending_after = push_all(InFlight(limit_for(1)), 100)
     assert max(pending_after) == SINGLE_DEVICE_LIMIT
     assert len(waits) == (100 - SINGLE_DEVICE_LIMIT - 1) // (SINGLE_DEVICE_LIMIT // 2 + 1) + 1
+
+
+class ReadyOutput(FakeOutput):
+    """An output the device finished already (as `jax.Array.is_ready` tells)."""
+
+    def is_ready(self) -> bool:
+        return True
+
+
+def test_finished_names_the_newest_step_already_done_after_a_wait():
+    in_flight, waits = InFlight(8), []
+    assert in_flight.finished is None
+    for index in range(9):  # the 9th goes past the limit: the host waits for step 4
+        output = (ReadyOutput if index < 6 else FakeOutput)(index, waits)
+        in_flight.push(output, token=index)
+    assert waits == [4]
+    assert in_flight.finished == 5  # 5 was done too (6..8 not yet), found without a wait
+    in_flight.wait_all()
+    assert in_flight.finished == 8

@@ -1,13 +1,6 @@
 """The checkpoint hook: Orbax-backed, asynchronous, atomic, verified saves that resume exactly.
 
-On-disk layout (one Orbax `CheckpointManager` directory; step = `trainer.global_step`)::
-
-    <directory>/<step>/state/    the train state as a plain tree of arrays (Orbax StandardSave)
-    <directory>/<step>/loopax/   JSON: format marker, step, array fingerprints, the loop's
-                                 state (history, trigger and hook states), every process's
-                                 dataset position
-    <directory>/damaged/<step>/  checkpoints that could not be read or verified, moved aside
-
+One Orbax `CheckpointManager` directory (its layout: `_format`; step = `trainer.global_step`).
 The state is saved in its plain form (the names of `Trainer.state_dict()`), so it reads back
 into host arrays without knowing the model, onto any device count and process count. A
 checkpoint is restored only if its arrays match the fingerprints written with them and are
@@ -44,6 +37,7 @@ from ._format import check_directory as _check_directory
 from ._format import incomplete_saves as _incomplete_saves
 from ._format import make_bundle, named_train_metrics, positions_for
 from ._io import (
+    abandon_after,
     open_manager,
     read_agreed,
     read_metric_values,
@@ -51,8 +45,9 @@ from ._io import (
     set_aside_entries,
 )
 from ._positions import apply_positions, dataset_states
+from ._signal_guard import guard
 from ._snapshot import Snapshot, take
-from ._writer import BackgroundSaveError, BackgroundWriter, wait_at_exit
+from ._writer import BackgroundSaveError, BackgroundWriter
 
 _logger = logging.getLogger(__name__)
 
@@ -151,7 +146,7 @@ class Checkpointer:
             # would cut off with a traceback at exit: only when there are some.
             cleanup=bool(leftovers),
         )
-        wait_at_exit(self.wait_quietly)
+        guard(self)  # the interpreter's exit, and a signal, wait for the saves in flight
         # Other hooks (nan_guard's rollback) find the loop's checkpointers here.
         checkpointers = loop.shared_data.setdefault(CHECKPOINTERS, [])
         if not checkpointers and self.trainer.host_metric_states:
@@ -209,6 +204,14 @@ class Checkpointer:
         """
         self._writer.wait()
         self._manager.wait_until_finished()
+
+    def saving(self) -> bool:
+        """Whether a save is in flight (taken, not yet committed or failed)."""
+        return self._writer.busy()
+
+    def settle(self) -> None:
+        """Waits for the saves in flight, raising nothing (a failure raises at `wait`)."""
+        self._writer.settle()
 
     def wait_quietly(self) -> None:
         """`wait`, logging a failed save instead of raising it (it was reported already)."""
@@ -381,6 +384,8 @@ class Checkpointer:
         self.loop.checkpointed_step = step
         self.loop.resume_from(step, loop_state)
         _logger.info("restored checkpoint %s (step %d)", self.directory / str(step), step)
+        if self.loop.running:  # a rollback: training goes on from `step` at once
+            self._abandon_after(step)
         return step
 
     def read(self, step: int) -> dict:
@@ -417,6 +422,7 @@ class Checkpointer:
         refuses its position, every process raises.
         """
         self._dataset = dataset
+        self._abandon_after(loop.trainer.global_step)
         saved, self._pending_datasets = self._pending_datasets, None
         if saved is None:
             return
@@ -427,6 +433,12 @@ class Checkpointer:
             self.coordination,
             f"positions{next(self._exchanges)}",
         )
+
+    def _abandon_after(self, step: int) -> None:
+        """Training goes on from `step`: the newer checkpoints are moved aside (`_io`)."""
+        key = f"abandon{next(self._exchanges)}"
+        if abandon_after(self._manager, self.directory, self.coordination, step, key):
+            self._best_values = None  # read again from the checkpoints left
 
     def save_on_trigger(self, loop: Loop, metrics: Any) -> None:
         """OnStep (or OnEpochEnd) at the steps of a save schedule: `save()`.

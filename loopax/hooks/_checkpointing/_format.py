@@ -1,5 +1,15 @@
 """The on-disk layout of loopax checkpoints.
 
+One Orbax `CheckpointManager` directory::
+
+    <directory>/<step>/state/     the train state as a plain tree of arrays (StandardSave)
+    <directory>/<step>/loopax/    JSON: format marker, step, array fingerprints, the loop's
+                                  state (history, trigger and hook states), every process's
+                                  dataset position
+    <directory>/damaged/<step>/   checkpoints that could not be read or verified, moved aside
+    <directory>/abandoned/<step>/ checkpoints newer than the step a run went on from (after a
+                                  restore of an older step): another trajectory, moved aside
+
 The state is saved in its plain form (`Trainer.state_dict()`: nested dicts keyed by the
 names in the `TrainState`), so that it reads back into host arrays without knowing the
 model, onto any device count, and is then matched name by name against the model's state.
@@ -35,6 +45,8 @@ READABLE_VERSIONS = (1, 2, 3)
 STATE_ITEM = "state"
 BUNDLE_ITEM = "loopax"
 DAMAGED_DIR = "damaged"
+# Checkpoints newer than the step a run continued from: another trajectory, never resumed.
+ABANDONED_DIR = "abandoned"
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -57,7 +69,7 @@ def check_directory(directory: Path) -> None:
         return
     step_dirs, foreign = [], []
     for entry in sorted(os.listdir(directory)):
-        if entry.startswith(".") or TMP_MARK in entry or entry == DAMAGED_DIR:
+        if entry.startswith(".") or TMP_MARK in entry or entry in (DAMAGED_DIR, ABANDONED_DIR):
             continue
         if _step_of(entry) is not None and (directory / entry).is_dir():
             step_dirs.append(entry)

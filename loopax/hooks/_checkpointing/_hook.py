@@ -43,6 +43,10 @@ def checkpoint(
     (unreadable, not matching the checksums written with it, or holding NaN or infinite
     values) is moved to `<directory>/damaged/` with a warning and the next newest is
     restored; when none is good the hook raises instead of starting over.
+    A run that goes on from an older step than the newest checkpoint (after `restore(step)`,
+    `restore_best()`, or a fresh start beside checkpoints) moves the newer ones, which hold
+    the trajectory it left, to `<directory>/abandoned/` at its start, with a warning: this
+    run saves its own at their steps, and a resume never takes them for this run's.
 
     Saves run in the background (training continues once the arrays are off the device) and
     are atomic: a save cut off by a crash is never taken for a checkpoint. A save waits for
@@ -53,7 +57,9 @@ def checkpoint(
     step that is a multiple of `keep_period`. A run returns once its end-of-run save is
     copied off the device; the next save, a restore, `all_steps()`, `wait()`, a new hook on
     the directory, `loopax.load_params` and the interpreter's exit wait for its commit (a
-    run stopped early, or on several processes, waits itself). A run that raises waits for
+    run stopped early, or on several processes, waits itself), and so does SIGINT or
+    SIGTERM arriving meanwhile, which then exits as during a run (`interrupted at step K;
+    saved checkpoint K`, status 130 or 143). A run that raises waits for
     the saves in flight, and commits a save its failing step had taken. A failed background
     save (a read-only directory, a full disk) raises at the next step or run. The loop's
     host metrics (`metrics.median_loss`) are saved with the loop's state.

@@ -24,7 +24,7 @@ from ... import _warnings
 from ...loop._internal import first_non_finite, tree_paths
 from ._coordination import Coordination
 from ._fingerprint import host_fingerprint
-from ._format import BUNDLE_ITEM, DAMAGED_DIR, FORMAT, READABLE_VERSIONS, STATE_ITEM
+from ._format import ABANDONED_DIR, BUNDLE_ITEM, DAMAGED_DIR, FORMAT, READABLE_VERSIONS, STATE_ITEM
 
 
 class DamagedCheckpointError(ValueError):
@@ -118,20 +118,53 @@ def read(manager: Any, ocp: Any, step: int) -> tuple[dict, dict]:
     return state, bundle
 
 
-def set_aside(directory: Path, step: int) -> Path | None:
-    """Moves checkpoint `step` to `<directory>/damaged/<step>`; returns where it went.
+def set_aside(directory: Path, step: int, into: str = DAMAGED_DIR) -> Path | None:
+    """Moves checkpoint `step` to `<directory>/<into>/<step>`; returns where it went.
 
-    Only process 0 moves it.
+    `into` is `damaged` (by default) or `abandoned`. Only process 0 moves it; a name taken
+    already gets a suffix (`<step>.2`), so nothing set aside before is overwritten.
     """
     if jax.process_index() != 0:
         return None
-    damaged = directory / DAMAGED_DIR
+    damaged = directory / into
     damaged.mkdir(exist_ok=True)
     destination, count = damaged / str(step), 2
     while destination.exists():
         destination, count = damaged / f"{step}.{count}", count + 1
     shutil.move(str(directory / str(step)), str(destination))
     return destination
+
+
+def abandon_after(
+    manager: Any, directory: Path, coordination: Coordination, step: int, key: str
+) -> list[int]:
+    """Training goes on from `step`: moves the checkpoints after it to `<directory>/abandoned/`.
+
+    They hold another trajectory (that of the run a restore of an older step left, or of a
+    run before a fresh start): resumed from, they would pass for this run's, and this run's
+    saves of their steps would be skipped as done. Moved, never deleted, with one warning
+    (the logs drop their points after `step` as on every resume). With several processes
+    process 0 moves them and every process waits for it (exchange `key`); every process
+    sees the same steps on disk, so all decide alike.
+
+    Returns:
+      The steps moved, ascending (none: nothing was done).
+    """
+    newer = [later for later in sorted(manager.all_steps()) if later > step]
+    if not newer:
+        return []
+    for later in newer:
+        set_aside(directory, later, ABANDONED_DIR)
+    if not coordination.single:
+        coordination.barrier(key, f"setting checkpoints {newer} aside")
+    manager.reload()
+    if coordination.process_index == 0:
+        _warnings.warn(
+            f"training goes on from step {step}, before checkpoints {newer} in "
+            f"{str(directory)!r}: they hold another trajectory and will not be resumed from; "
+            f"moved to {str(directory / ABANDONED_DIR)!r}"
+        )
+    return newer
 
 
 def set_aside_entries(directory: Path) -> list[str]:

@@ -94,9 +94,20 @@ class BackgroundWriter:
           NonFiniteSaveError: a save was refused for NaN or infinite values.
         """
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = list(self._pending)
         for future in pending:
-            future.result()
+            try:
+                future.result()
+            finally:  # a save counts as in flight (`busy`) until it is done
+                with self._lock:
+                    if future in self._pending:
+                        self._pending.remove(future)
+
+    def settle(self) -> None:
+        """Blocks until the submitted saves are done, raising nothing (`wait` raises)."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending)
 
     def close(self) -> None:
         """Waits for the saves and stops the worker thread."""
