@@ -3,7 +3,9 @@
 The data side (`loopax.data`) says where a group's batches lie (`DeviceChunk`) and how
 to read them (`Reading`: a slice of arrays in the epoch's order, its permuted copy's
 included, or the rows a permutation picks); these programs read them inside the
-compiled step.
+compiled step. They also return the epoch position after the group (`AFTER`, beside the
+metrics), where the next group starts: the host never copies a position to the devices
+between groups.
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ from jax import lax
 
 from .._devices import AXIS
 from ..data._epoch_rows import Reading, batch_rows
+
+# The key of the position after a group, beside the last step's metrics; not a metric:
+# the Trainer takes it out before any metric is named (`Programs.train_gathered`).
+AFTER = "loopax:position_after"
+
+
+def position_after(start: jax.Array, end: jax.Array, rows: int) -> jax.Array:
+    """The epoch position `rows` after `start` (traced), in the next epoch past `end`.
+
+    As `DeviceChunk.after` computes it on the host.
+    """
+    after = start + rows
+    return jnp.where(after > end, after - end, after)
 
 
 def gathering_steps(
@@ -39,7 +54,8 @@ def gathering_steps(
             first = start + step * size + device * local
             return batch_rows(reading, lying, first, end, local)
 
-        return scan_steps(state, jnp.arange(count, dtype=jnp.int32), batch_of)
+        state, (stacked, last) = scan_steps(state, jnp.arange(count, dtype=jnp.int32), batch_of)
+        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
 
     return program
 
@@ -59,6 +75,7 @@ def gathering(
             return batch_rows(reading, lying, start + step * size, end, size)
 
         inputs, labels = lax.map(batch, jnp.arange(count, dtype=jnp.int32))
-        return run(state, inputs, labels)
+        state, (stacked, last) = run(state, inputs, labels)
+        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
 
     return program
