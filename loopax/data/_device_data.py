@@ -267,7 +267,7 @@ class DeviceChunk:
     def arguments(self) -> tuple:
         """The compiled program's arguments after the state (see `gathering_steps`).
 
-        Where the batches lie (a dict of named arrays, for `batch_rows`), then the start
+        Where the batches lie (a dict of named arrays, for `rows_at`), then the start
         and end positions, as device scalars (`DeviceArrays.position`: the start is the
         one the previous group's program returned, so nothing is copied from the host).
         """

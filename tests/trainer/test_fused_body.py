@@ -10,65 +10,24 @@ count (XLA:GPU runs a loop of unknown trip count with a host sync per iteration)
 no whole dataset array per step.
 """
 
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hlo_helpers import loop_bodies
 
 import loopax
 
 K, BATCH, EXAMPLES = 8, 8, 256
-# Ops loopax's body may have beyond the hand-written one's. Measured (jax 0.10.2, CPU): the
-# hand-written body has 24 ops, 19 of them fusions; loopax's 25 and 20 for sliced data and
-# for the permuted copy. One fusion more for its bookkeeping (the loss average keeps a
-# third number, the skipped steps: a division where the hand-written average has two
-# multiply-adds; its batch's slice at a run-time position fuses with the select of the
-# epoch it lies in); with `shuffled_copy=False` the rows the permutation names are one
-# gather per array more (26 ops, 21 fusions).
-MARGIN = {"slice": 1, "copy": 1, "gather": 2}
-GATHERS = {"slice": 0, "copy": 0, "gather": 2}  # one per array: inputs, labels
-
-
-def computation(text, name):
-    """The lines of computation `name` of an HLO module's text (its header left out)."""
-    start = text.index(f"\n%{name} ") + 1
-    return text[start : text.index("\n}\n", start)].splitlines()[1:]
-
-
-def gathers(text, line):
-    """Whether an op is a gather or a fusion of one."""
-    called = re.search(r"calls=%([\w.\-]+)", line)
-    if called is None:
-        return " gather(" in line
-    return any(" gather(" in inner for inner in computation(text, called.group(1)))
-
-
-def loop_bodies(text):
-    """Per `while` of a compiled module: its body's op counts, and its known trip count."""
-    bodies = []
-    for match in re.finditer(r" while\(.*?\), condition=%[\w.\-]+, body=%([\w.\-]+)(.*)", text):
-        ops = [
-            line
-            for line in computation(text, match.group(1))
-            if " = " in line
-            and not re.search(r" (parameter|get-tuple-element|tuple|constant)\(", line)
-        ]
-        bodies.append(
-            {
-                "instructions": len(ops),
-                "fusions": sum(" fusion(" in line for line in ops),
-                "gathers": sum(gathers(text, line) for line in ops),
-                "whole-array copies": sum(
-                    " copy(" in line and f"[{EXAMPLES}," in line for line in ops
-                ),
-                "known trip count": "known_trip_count" in match.group(2),
-            }
-        )
-    return bodies
+# Measured (jax 0.10.2, CPU): the hand-written body has 24 ops, 19 of them fusions, and so
+# has loopax's for sliced data, the permuted copy and rows picked through the permutation
+# alike (the group's rows are read before the loop; before, the read inside it made 25 and
+# 20, and 26 and 21 with one gather per array without a copy). Each fusion is a kernel
+# launched per step on a GPU: none more is allowed; one other op (a copy or bitcast an XLA
+# version may place otherwise) is.
+MARGIN = {"instructions": 1, "fusions": 0, "gathers": 0}
 
 
 def data():
@@ -111,14 +70,18 @@ def model_fn(ctx, spec, inputs):
 
 
 def loopax_body(**options):
-    trainer = loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optax.adam(0.01))
+    # On one device, as the hand-written scan (on more, the body also averages over them).
+    devices = jax.devices()[:1]
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01), devices=devices
+    )
     inputs, labels = data()
     dataset = loopax.ArrayDataset(
-        inputs, labels, BATCH, loop_forever=True, on_device=True, **options
+        inputs, labels, BATCH, loop_forever=True, on_device=True, devices=devices, **options
     )
     loopax.Loop(trainer, steps_per_execution=K).run_steps(dataset, K)
     (fused,) = [e for e in trainer.executors() if e.info.graph_type == "train_steps"]
-    (body,) = loop_bodies(fused.run.as_text())
+    (body,) = loop_bodies(fused.run.as_text(), EXAMPLES)
     return body
 
 
@@ -135,10 +98,8 @@ def test_the_fused_body_is_the_hand_written_scans(reading, options):
     assert theirs["known trip count"] and theirs["gathers"] == 0
     assert ours["known trip count"], ours
     assert ours["whole-array copies"] == 0, ours
-    margin = MARGIN[reading]
-    assert ours["instructions"] <= theirs["instructions"] + margin, (ours, theirs)
-    assert ours["fusions"] <= theirs["fusions"] + margin, (ours, theirs)
-    assert ours["gathers"] <= GATHERS[reading], ours
+    for count, margin in MARGIN.items():
+        assert ours[count] <= theirs[count] + margin, (reading, count, ours, theirs)
 
 
 def test_an_extra_op_in_the_body_is_seen():
