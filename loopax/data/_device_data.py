@@ -7,9 +7,11 @@ permutes the arrays into a copy in the epoch's order, so that every batch of the
 contiguous slice of it, as a hand-written loop over pre-shuffled data reads its batches: a
 gather of the whole epoch at once costs a fraction of gathering each batch's rows inside the
 steps. A batch (or a group of batches) is then one compiled program that takes only its
-start offset from the host, a scalar. The fused Loop goes further: it hands the Trainer a
-`DeviceChunk` (where a group's batches lie) and the Trainer's compiled program slices them
-itself, so a group of steps is a single dispatch.
+start offset, a scalar already on the devices: each program returns the offset after its
+batches, where the next read starts, so a run copies nothing from the host but a new
+epoch's permutation. The fused Loop goes further: it hands the Trainer a `DeviceChunk`
+(where a group's batches lie) and the Trainer's compiled program reads them itself, so a
+group of steps is a single dispatch.
 """
 
 from __future__ import annotations
