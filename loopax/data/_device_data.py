@@ -7,9 +7,11 @@ permutes the arrays into a copy in the epoch's order, so that every batch of the
 contiguous slice of it, as a hand-written loop over pre-shuffled data reads its batches: a
 gather of the whole epoch at once costs a fraction of gathering each batch's rows inside the
 steps. A batch (or a group of batches) is then one compiled program that takes only its
-start offset from the host, a scalar. The fused Loop goes further: it hands the Trainer a
-`DeviceChunk` (where a group's batches lie) and the Trainer's compiled program slices them
-itself, so a group of steps is a single dispatch.
+start offset, a scalar already on the devices: each program returns the offset after its
+batches, where the next read starts, so a run copies nothing from the host but a new
+epoch's permutation. The fused Loop goes further: it hands the Trainer a `DeviceChunk`
+(where a group's batches lie) and the Trainer's compiled program reads them itself, so a
+group of steps is a single dispatch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ._datasets import ArrayDataset
 from ._epoch_rows import EpochOrder, Reading, permuted_copy, rows_of
 
 Gather = Callable[..., Any]
+_KEPT_POSITIONS = 8  # device scalars of positions the host named, kept for reuse
 
 
 def check_devices(devices: Sequence[Device] | None, name: str) -> list[Device]:
@@ -99,6 +102,11 @@ class DeviceArrays:
         self._epoch: EpochOrder | None = None
         self._key: Hashable | None = None
         self._gathers: dict[tuple[int, int, bool], Gather] = {}
+        # Epoch positions as device scalars, so that no step copies one from the host: the
+        # position after the last read, as its program computed it (`advance`), and a few
+        # the host names otherwise (0 at each epoch's start, an epoch's end, a restored one).
+        self._cursor: tuple[int, jax.Array] | None = None
+        self._positions: dict[int, jax.Array] = {}
 
     def set_order(self, order: np.ndarray | None) -> None:
         """Puts the epoch's permutation on the devices (None: examples in order).
@@ -138,6 +146,29 @@ class DeviceArrays:
             self._key = (len(self.inputs), avals, tuple(self.devices))
         return self._key
 
+    def position(self, value: int) -> jax.Array:
+        """Epoch position `value` as an int32 scalar on the devices (replicated).
+
+        The position the last read's program computed, when it is that one (the steady
+        state: one batch or group after another); else one kept for `value` (an epoch's
+        start or end), put on the devices once. So a step reading the next batches copies
+        nothing from the host: on an accelerator each copy is a transfer and a wait.
+        """
+        cursor = self._cursor
+        if cursor is not None and cursor[0] == value:
+            return cursor[1]
+        held = self._positions.get(value)
+        if held is None:
+            if len(self._positions) >= _KEPT_POSITIONS:  # e.g. positions restored many times
+                self._positions.clear()
+            held = jax.device_put(np.int32(value), self._replicated)
+            self._positions[value] = held
+        return held
+
+    def advance(self, value: int, position: jax.Array) -> None:
+        """Records `position`, a program's device scalar, as epoch position `value`."""
+        self._cursor = (value, position)
+
     def gather(
         self, start: int, count: int, size: int, stacked: bool, epoch: EpochOrder | None = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
@@ -145,16 +176,21 @@ class DeviceArrays:
 
         With `stacked` each array has shape `(count, size, ...)`, else `(size, ...)` (for
         `count == 1`). `epoch` is the epoch's order on the devices (default: the current
-        epoch's); from its permuted copy the batches are a slice.
+        epoch's); from its permuted copy the batches are a slice. The program also returns
+        the position after them, which the next read of the epoch starts from (`position`).
         """
         key = (count, size, stacked)
         gather = self._gathers.get(key)
         if gather is None:
             gather = self._gathers[key] = self._compile(count, size, stacked)
         epoch = self.epoch if epoch is None else epoch
+        at = self.position(start)
         if epoch.copy is not None:
-            return gather(*epoch.copy, None, np.int32(start))
-        return gather(self.inputs, self.labels, epoch.order, np.int32(start))
+            inputs, labels, after = gather(*epoch.copy, None, at)
+        else:
+            inputs, labels, after = gather(self.inputs, self.labels, epoch.order, at)
+        self.advance(start + count * size, after)
+        return inputs, labels
 
     def _compile(self, count: int, size: int, stacked: bool) -> Gather:
         def gather(inputs: list, labels: list, order: jax.Array | None, start: jax.Array) -> Any:
@@ -163,13 +199,13 @@ class DeviceArrays:
             rows = rows_of([*inputs, *labels], order, order, start, end, count * size)
             if stacked:
                 rows = [array.reshape((count, size, *array.shape[1:])) for array in rows]
-            return rows[: len(inputs)], rows[len(inputs) :]
+            return rows[: len(inputs)], rows[len(inputs) :], end
 
         gather.__name__ = "gather_batches" if stacked else "gather_batch"
         leading = (None,) if stacked else ()
         split = size % len(self.devices) == 0
         batch = NamedSharding(self._mesh, P(*leading, AXIS)) if split else self._replicated
-        return jax.jit(gather, out_shardings=batch)
+        return jax.jit(gather, out_shardings=(batch, batch, self._replicated))
 
 
 def check_trainer_devices(dataset: Any, trainer: Any) -> None:
@@ -233,8 +269,9 @@ class DeviceChunk:
     def arguments(self) -> tuple:
         """The compiled program's arguments after the state (see `gathering_steps`).
 
-        Where the batches lie (a dict of named arrays, for `batch_rows`), then the start
-        and end positions.
+        Where the batches lie (a dict of named arrays, for `rows_at`), then the start
+        and end positions, as device scalars (`DeviceArrays.position`: the start is the
+        one the previous group's program returned, so nothing is copied from the host).
         """
         epoch, upcoming = self.epoch, self.next_epoch
         lying: dict[str, Any]
@@ -250,7 +287,14 @@ class DeviceChunk:
             lying = {"inputs": self.source.inputs, "labels": self.source.labels}
             if epoch.order is not None:
                 lying.update(order=epoch.order, next_order=upcoming.order)
-        return lying, np.int32(self.start), np.int32(self.end)
+        source = self.source
+        return lying, source.position(self.start), source.position(self.end)
+
+    @property
+    def after(self) -> int:
+        """The epoch position after this chunk's batches (the next epoch's, past `end`)."""
+        after = self.start + self.count * self.size
+        return after - self.end if after > self.end else after
 
     def shapes(self) -> tuple[list[jax.ShapeDtypeStruct], list[jax.ShapeDtypeStruct]]:
         """The shapes and dtypes of the gathered batches, `(count, size, ...)`."""

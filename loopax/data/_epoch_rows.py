@@ -4,7 +4,8 @@ The arrays lie on the devices in the order they were given; with shuffling, the 
 permutation says which example each epoch position holds. `permuted_copy` applies it once
 per epoch (one compiled gather of the whole epoch), after which every batch is a contiguous
 slice of the copy; without the copy each batch's rows are gathered through the permutation
-(`rows_of`), batch by batch. `batch_rows` is the read that compiled programs trace.
+(`rows_of`), batch by batch. `rows_at` is the read that fused programs trace: all of a
+group's rows at once.
 """
 
 from __future__ import annotations
@@ -107,43 +108,44 @@ def rows_of(
     return [jnp.take(array, rows, axis=0, mode="clip") for array in arrays]
 
 
-def copied_rows_of(
-    arrays: list[jax.Array],
-    next_arrays: list[jax.Array],
-    first: jax.Array,
-    end: jax.Array,
-    count: int,
-) -> list[jax.Array]:
-    """As `rows_of`, from arrays already in each epoch's order (their permuted copies).
-
-    `arrays` hold the epoch of `first`, `next_arrays` the next one: the rows are a
-    contiguous slice of one of them.
-    """
-    crossed = first >= end
-    at = jnp.where(crossed, first - end, first)
-    # Both slices and a select: cheaper inside a loop on a CPU than a conditional.
-    return [
-        jnp.where(
-            crossed,
-            lax.dynamic_slice_in_dim(upcoming, at, count),
-            lax.dynamic_slice_in_dim(current, at, count),
-        )
-        for current, upcoming in zip(arrays, next_arrays, strict=True)
-    ]
-
-
-def batch_rows(
-    reading: Reading, lying: dict[str, Any], first: jax.Array, end: jax.Array, count: int
+def rows_at(
+    reading: Reading, lying: dict[str, Any], positions: jax.Array, end: jax.Array
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """The inputs and labels of `count` epoch positions from `first` on (traced).
+    """The inputs and labels at epoch `positions` (any shape of int32 indices), traced.
 
-    `lying` is where they lie, as `DeviceChunk.arguments` passes it, read as `reading` says.
+    `lying` is where they lie, as `DeviceChunk.arguments` passes it, read as `reading`
+    says; positions from `end` (the epoch's end) on are the next epoch's, from its position
+    0. Each array is read by one gather of all the positions at once (a fused program reads
+    its whole group so, before its steps, whose loop then indexes stacked batches as a
+    hand-written scan does). Every position is in bounds by construction, so the gathers
+    neither clip nor mask.
     """
     inputs, labels = lying["inputs"], lying["labels"]
-    if reading is Reading.COPY:
+    flat = positions.reshape(-1)
+    crossed = flat >= end
+    at = jnp.where(crossed, flat - end, flat)
+
+    def take(array: jax.Array, rows: jax.Array) -> jax.Array:
+        return array.at[rows].get(mode="promise_in_bounds")
+
+    def shaped(array: jax.Array) -> jax.Array:
+        return array.reshape((*positions.shape, *array.shape[1:]))
+
+    def where_crossed(upcoming: jax.Array, current: jax.Array) -> jax.Array:
+        mask = crossed.reshape((-1,) + (1,) * (current.ndim - 1))
+        return jnp.where(mask, upcoming, current)
+
+    arrays = [*inputs, *labels]
+    if reading is Reading.COPY:  # each epoch's permuted copy: rows of one or the other
         upcoming = [*lying["next_inputs"], *lying["next_labels"]]
-        rows = copied_rows_of([*inputs, *labels], upcoming, first, end, count)
-    else:
-        orders = lying.get("order"), lying.get("next_order")
-        rows = rows_of([*inputs, *labels], *orders, first, end, count)
+        rows = [
+            where_crossed(take(following, at), take(current, at))
+            for current, following in zip(arrays, upcoming, strict=True)
+        ]
+    elif reading is Reading.GATHER:  # the examples the epochs' permutations name
+        examples = where_crossed(take(lying["next_order"], at), take(lying["order"], at))
+        rows = [take(array, examples) for array in arrays]
+    else:  # in order: position i is example i in every epoch
+        rows = [take(array, at) for array in arrays]
+    rows = [shaped(array) for array in rows]
     return rows[: len(inputs)], rows[len(inputs) :]

@@ -3,7 +3,10 @@
 The data side (`loopax.data`) says where a group's batches lie (`DeviceChunk`) and how
 to read them (`Reading`: a slice of arrays in the epoch's order, its permuted copy's
 included, or the rows a permutation picks); these programs read them inside the
-compiled step.
+compiled program, all of the group's at once before its steps, so that the steps' loop
+is the one a hand-written `lax.scan` over stacked batches runs. They also return the
+epoch position after the group (`AFTER`, beside the metrics), where the next group starts:
+the host never copies a position to the devices between groups.
 """
 
 from __future__ import annotations
@@ -16,7 +19,26 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._devices import AXIS
-from ..data._epoch_rows import Reading, batch_rows
+from ..data._epoch_rows import Reading, rows_at
+
+# The key of the position after a group, beside the last step's metrics; not a metric:
+# the Trainer takes it out before any metric is named (`Programs.train_gathered`).
+AFTER = "loopax:position_after"
+
+
+def position_after(start: jax.Array, end: jax.Array, rows: int) -> jax.Array:
+    """The epoch position `rows` after `start` (traced), in the next epoch past `end`.
+
+    As `DeviceChunk.after` computes it on the host.
+    """
+    after = start + rows
+    return jnp.where(after > end, after - end, after)
+
+
+def _group_positions(start: jax.Array, count: int, size: int, first: Any, local: int) -> Any:
+    """`[count, local]` epoch positions: each step's `local` rows from `first` in its batch."""
+    steps = jnp.arange(count, dtype=jnp.int32)[:, None] * size
+    return start + first + steps + jnp.arange(local, dtype=jnp.int32)[None, :]
 
 
 def gathering_steps(
@@ -25,23 +47,50 @@ def gathering_steps(
     """A per-device program of `count` fused steps that takes each step's shard itself.
 
     `scan_steps(state, xs, batch_of)` runs a step on `batch_of(x)` per `x` of `xs`
-    (`StepBuilder.scan_steps`); here each step slices (or, reading through a permutation,
-    gathers) this device's `size // num_devices` examples of its batch from the arrays on
-    the device, inside the scan, as a hand-written scan indexes its stacked batches. The
-    result takes `(state, *DeviceChunk.arguments())`, all replicated.
+    (`StepBuilder.scan_steps`); here this device's `size // num_devices` examples of every
+    step's batch are read first, by one gather per array (through the epoch's permutation
+    or from its permuted copy; `rows_at`), and each step slices its rows of them
+    (`_slicing`), as a hand-written scan indexes its stacked batches: nothing of the read
+    but that slice is left inside the loop, whose body XLA:GPU launches once per step
+    (before, each step computed its rows' positions, and sliced both epochs' copies and
+    selected one, inside the loop). The cost is one gather kernel per array per group and
+    the group's rows in memory once more. The result takes
+    `(state, *DeviceChunk.arguments())`, all replicated.
     """
     local = size // num_devices
 
     def program(state, lying, start, end):
-        device = lax.axis_index(AXIS)
-
-        def batch_of(step: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-            first = start + step * size + device * local
-            return batch_rows(reading, lying, first, end, local)
-
-        return scan_steps(state, jnp.arange(count, dtype=jnp.int32), batch_of)
+        positions = _group_positions(start, count, size, lax.axis_index(AXIS) * local, local)
+        inputs, labels = rows_at(reading, lying, positions.reshape(-1), end)
+        steps = jnp.arange(count, dtype=jnp.int32)
+        state, (stacked, last) = scan_steps(state, steps, _slicing(inputs, labels, local))
+        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
 
     return program
+
+
+def _slicing(inputs: list, labels: list, local: int) -> Callable[[jax.Array], tuple]:
+    """`batch_of(step)`: step `step`'s `local` rows of the group's rows, read flat.
+
+    Each step slices its rows at an offset XLA cannot see is a multiple of the batch (an
+    `optimization_barrier` hides that the slices start at 0). Where it can see it (a
+    scan over the rows stacked `(count, local, ...)`, or this slice at `step * local`),
+    XLA vectorizes the step's reductions over the batch otherwise than in a single step
+    on its batch argument, and its loss can differ in the last bit (a batch of 4 rows of
+    `tests/trainer/test_on_device_fused.py`); at an unknown offset it compiles them as
+    the single step does, so fused steps stay bit for bit single steps on a CPU. The
+    slice is the one op of the read left in the loop (as in a hand-written scan).
+    """
+    origin = lax.optimization_barrier(jnp.zeros((), jnp.int32))
+
+    def batch_of(step: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+        first = origin + step * local
+        return (
+            [lax.dynamic_slice_in_dim(a, first, local) for a in inputs],
+            [lax.dynamic_slice_in_dim(a, first, local) for a in labels],
+        )
+
+    return batch_of
 
 
 def gathering(
@@ -55,10 +104,9 @@ def gathering(
     """
 
     def program(state, lying, start, end):
-        def batch(step: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-            return batch_rows(reading, lying, start + step * size, end, size)
-
-        inputs, labels = lax.map(batch, jnp.arange(count, dtype=jnp.int32))
-        return run(state, inputs, labels)
+        positions = _group_positions(start, count, size, 0, size)
+        inputs, labels = rows_at(reading, lying, positions, end)
+        state, (stacked, last) = run(state, inputs, labels)
+        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
 
     return program

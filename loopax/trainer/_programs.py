@@ -16,6 +16,7 @@ from ..data._reader import Dispatch, OnDevice, OneStep, Stacked, with_count
 from . import _background
 from ._creation import Model, StateCreator
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
+from ._gather import AFTER
 from ._named import fused_metrics, named_metrics
 from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
 from ._steps import StepBuilder, StepConfig
@@ -154,8 +155,10 @@ class Programs:
             functools.partial(self._compile, chunk=chunk),
         )
         placed = self._placed
-        placed.placed, values = executor.run(placed.placed, *chunk.arguments())
+        placed.placed, (stacked, last) = executor.run(placed.placed, *chunk.arguments())
+        chunk.source.advance(chunk.after, last.pop(AFTER))  # where the next group starts
         placed.global_step += chunk.count
+        values = (stacked, last)
         stacked, last = fused_metrics(self.metric_names, values, self._host_train)
         return StepResult(last, stacked)
 
