@@ -73,10 +73,13 @@ def test_linen_variables_apply_and_start_a_trainer_that_predicts_and_evaluates_a
     variables = loopax.load_variables(tmp_path)
     assert sorted(variables) == ["batch_stats", "params"]
     np.testing.assert_allclose(LinenMLP().apply(variables, X[TEST]), expected, atol=1e-5)
-    # The parameters alone lose the statistics: what load_params gave users before.
+    # The parameters alone lose the statistics: what load_params gave users before. They
+    # lose 0.19-0.21 accuracy (0.86 -> 0.64-0.66) across CPUs (AMD and Intel AVX-512, XLA's
+    # AVX2 and SSE4.2 code), and change ~25% of the predicted classes; a loader that kept the
+    # statistics loses nothing. Half that drop is several times what a processor moves it by.
     fresh_statistics = LinenMLP().init(jax.random.PRNGKey(0), X[:2])["batch_stats"]
     params_only = {"params": loopax.load_params(tmp_path), "batch_stats": fresh_statistics}
-    assert accuracy(LinenMLP().apply(params_only, X[TEST])) < accuracy(expected) - 0.2
+    assert accuracy(LinenMLP().apply(params_only, X[TEST])) < accuracy(expected) - 0.1
 
     # A Trainer started from them predicts and evaluates before any step, as trained.
     fresh = make_trainer(LinenMLP(), devices, init_params=variables)
@@ -107,7 +110,7 @@ def test_nnx_module_loaded_into_keeps_its_batch_statistics(tmp_path):
     np.testing.assert_allclose(module(X[TEST]), expected, atol=1e-5)
     stats = trained.nnx_module().norm
     np.testing.assert_array_equal(module.norm.mean[...], stats.mean[...])
-    assert accuracy(expected) > 0.8
+    assert accuracy(expected) > 0.7  # it learned (0.87 on every CPU tried; chance is 0.1)
 
     # The same variables start a Trainer of a fresh module, which predicts at once.
     fresh = make_trainer(NnxMLP(nnx.Rngs(2)), init_params=loopax.load_variables(tmp_path))

@@ -349,6 +349,30 @@ def test_a_train_metric_is_checked_at_each_epoch_end(trainer):
     assert_trees_equal(states[4].params, trainer.params)
 
 
+def test_flax_trainings_documented_example_stops_where_flax_does_at_one_more_patience(trainer):
+    # flax.training.early_stopping's example: patience 2 and min_delta 1e-3 on these epoch
+    # losses "break at epoch 7" (0-based). flax stops at the first check after `patience`
+    # checks without improvement; loopax, as Keras, at the `patience`-th such check. So
+    # flax's patience p is loopax's p + 1 (docs/guides/coming-from.md says so).
+    from flax.training.early_stopping import EarlyStopping  # noqa: PLC0415
+
+    losses = [4.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0]
+    flax_stop = EarlyStopping(min_delta=1e-3, patience=2)
+    flax_epochs = 0
+    for loss in losses:
+        flax_epochs += 1
+        flax_stop = flax_stop.update(loss)
+        if flax_stop.should_stop:
+            break
+    assert flax_epochs == 8  # epochs 0..7
+    for patience, epochs in ((2, 4), (3, flax_epochs)):
+        loop = loopax.Loop(trainer)
+        stopper = hooks.early_stopping(loop, "train/loss", patience=patience, min_delta=1e-3)
+        loop.run_epochs(ScriptedEpochs(losses), len(losses))
+        assert loop.epoch == epochs, patience
+        assert stopper.stopped_step is not None and stopper.wait == patience
+
+
 def test_a_train_monitor_in_run_steps_warns(trainer):
     loop = loopax.Loop(trainer)
     hooks.early_stopping(loop, "train/moving_average_loss")

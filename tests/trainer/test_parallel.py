@@ -154,9 +154,11 @@ def test_dropout_and_batch_norm_train_on_four_devices(parallel):
     losses_seen = []
     loop = loopax.Loop(trainer)
     loop.on_step("record", lambda loop, metrics: losses_seen.append(metrics["loss"]))
-    loop.run_steps(dataset, 40)
+    loop.run_steps(dataset, 80)
     values = np.array(jax.device_get(losses_seen))
     assert np.all(np.isfinite(values))
+    # The last 10 steps' mean loss is 0.53 of the first 10's (0.68 after 40 steps, which
+    # cleared 0.7 by too little to rest on one CPU's floats).
     assert values[-10:].mean() < 0.7 * values[:10].mean()
     stats = jax.device_get(trainer.state.model_state)["batch_stats"]["BatchNorm_0"]
     assert stats["mean"].shape == (16,) and np.all(np.isfinite(stats["var"]))
