@@ -28,6 +28,7 @@ from ._programs import Programs, StepResult
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
+    GRAD_NORM_NAMES,
     RESERVED_EVAL_NAMES,
     RESERVED_TRAIN_NAMES,
     check_callables,
@@ -90,6 +91,17 @@ class Trainer:
         step, `ema = ema_decay * ema + (1 - ema_decay) * params` after each optimizer step
         (a skipped step leaves it), from the initial parameters; `ema_params` reads it,
         checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
+      log_grad_norm: the train step also returns `"grad_norm"`, the global L2 norm of the
+        gradients the optimizer gets (the mean over devices and micro-batches, unscaled),
+        and `"update_norm"`, that of the optimizer's update (before `add_per_step_update`
+        functions); hooks log them as `"train/grad_norm"` and `"train/update_norm"`.
+        Computed in the compiled step: no extra synchronization.
+
+    A loss function may return `(loss, {name: value, ...})` (as `jax.value_and_grad`'s
+    `has_aux`): each value, a scalar or per-example values (averaged like the loss),
+    becomes the train metric `name`, averaged over devices and micro-batches, after the
+    other train metrics in `train_step`'s dict (`train_metric_names` lists them once a
+    train step is compiled).
 
     Raises:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
@@ -131,6 +143,7 @@ class Trainer:
         rules: Sequence[tuple[str, str | None]] | None = None,
         fsdp: bool = False,
         ema_decay: float | None = None,
+        log_grad_norm: bool = False,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
         adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
@@ -140,15 +153,21 @@ class Trainer:
         self.compute_dtype = dtype_name(dtype)
         self.loss_scale = check_loss_scale(loss_scale, dtype)
         self.ema_decay = check_ema_decay(ema_decay)
+        if not isinstance(log_grad_norm, (bool, np.bool_)):
+            raise TypeError(
+                f"log_grad_norm must be True or False, got {type(log_grad_norm).__name__}"
+            )
+        self.log_grad_norm = bool(log_grad_norm)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.train_metrics = check_metrics(train_metrics, "train", RESERVED_TRAIN_NAMES)
+        reserved = RESERVED_TRAIN_NAMES + (GRAD_NORM_NAMES if self.log_grad_norm else ())
+        self.train_metrics = check_metrics(train_metrics, "train", reserved)
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
                              strategy, self.accumulate_steps, dtype, self.loss_scale,
-                             self.ema_decay)  # fmt: skip
+                             self.ema_decay, self.log_grad_norm)  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)

@@ -10,12 +10,14 @@ import numpy as np
 from .._devices import AXIS
 from ._host_metrics import is_host_metric, split_host_metrics
 from ._steps import (
+    GRAD_NORM,
     LOSS,
     LOSS_SCALE,
     MEAN_LOSS,
     MOVING_AVERAGE_LOSS,
     OVERFLOW_STEPS,
     SKIPPED_STEPS,
+    UPDATE_NORM,
     StepConfig,
 )
 
@@ -28,6 +30,8 @@ _METRIC_METHODS = ("init", "update", "merge", "compute")
 # The names the step bodies give their own values; no user metric may take one.
 RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, OVERFLOW_STEPS, LOSS_SCALE)
 RESERVED_EVAL_NAMES = (MEAN_LOSS,)
+# Reserved too with `log_grad_norm=True`.
+GRAD_NORM_NAMES = (GRAD_NORM, UPDATE_NORM)
 
 
 def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
@@ -75,6 +79,7 @@ def step_config(
     compute_dtype: Any,
     loss_scale: Any,
     ema_decay: float | None,
+    log_grad_norm: bool = False,
 ) -> StepConfig:
     """The step bodies' first config; host metrics (`HostMetric`) split from compiled ones.
 
@@ -97,6 +102,7 @@ def step_config(
         compute_dtype=compute_dtype,
         loss_scale=loss_scale,
         ema_decay=ema_decay,
+        log_grad_norm=log_grad_norm,
     )
 
 
