@@ -15,6 +15,7 @@ import optax
 
 from ..metrics._loss_average import LossMovingAverage
 from ..metrics._mean import zero_mean_state
+from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._host_metrics import HostMetrics
@@ -201,7 +202,7 @@ class StepBuilder:
             loss: Any = loss_fn(labels, predictions)
             name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
             if isinstance(loss, (tuple, list)) and len(loss) == 2 and isinstance(loss[1], Mapping):
-                loss, aux = loss[0], _aux_outputs(name, loss[1], self.train_keys)
+                loss, aux = loss[0], aux_outputs(name, loss[1], self.train_keys)
             if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
                 raise TypeError(
                     f"loss function {name!r} returned a {type(loss).__name__}; it must return one "
@@ -213,21 +214,6 @@ class StepBuilder:
         if added_loss is not None:
             total = total + added_loss.astype(jnp.float32)
         return total, aux
-
-    def _note_aux_names(self, aux: Mapping[str, Any]) -> None:
-        """Records the auxiliary outputs' names a train step returns (at tracing).
-
-        Raises:
-          ValueError: another batch's trace returned other names.
-        """
-        names = tuple(aux)
-        if self.aux_names and names != self.aux_names:
-            raise ValueError(
-                f"the loss function's auxiliary outputs changed from {list(self.aux_names)} "
-                f"to {list(names)} for another batch shape or spec; return the same names "
-                "for every batch (they are the train metrics train/<name>)"
-            )
-        self.aux_names = names
 
     def apply_model(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
         """The model on one shard: `(predictions, added loss, new model state)`.
@@ -367,14 +353,14 @@ class StepBuilder:
             new_model_state = self.collectives.reduce(new_model_state)
             user_states = self._update_metrics(self._user_states(state), labels, predictions)
             host_values = None
-        self._note_aux_names(aux)
+        self.aux_names = aux_names(self.aux_names, aux)
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = config.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         norms = {}
         if config.log_grad_norm:  # of the mean gradient over devices and micro-batches
-            norms = {GRAD_NORM: _global_norm(grads), UPDATE_NORM: _global_norm(updates)}
+            norms = {GRAD_NORM: global_norm(grads), UPDATE_NORM: global_norm(updates)}
         for update_fn in config.per_step_updates:
             params = update_fn(params)
         ok = average_ok = None
@@ -463,48 +449,3 @@ class StepBuilder:
             # A host metric's StepValues of every step, folded into one step's.
             last[metric.name] = values[metric.name].of_micro_batches()
         return state, (stacked, last)
-
-
-def _aux_outputs(loss_name: str, aux: Mapping[Any, Any], taken: tuple[str, ...]) -> dict:
-    """A loss function's auxiliary outputs as `{name: float32 scalar}`, checked.
-
-    Each value is mean-reduced, as the loss is. Called while tracing.
-
-    Raises:
-      TypeError: a name is not a string, or a value not an array or number.
-      ValueError: a name is empty, holds "/" or is another train metric's.
-    """
-    result = {}
-    for name, value in aux.items():
-        if not isinstance(name, str) or not name or "/" in name:
-            raise (ValueError if isinstance(name, str) else TypeError)(
-                f"loss function {loss_name!r} returned an auxiliary output named {name!r}; "
-                "names must be non-empty strings without '/' (each becomes the train "
-                "metric train/<name>)"
-            )
-        if name in taken:
-            raise ValueError(
-                f"loss function {loss_name!r} returned an auxiliary output named {name!r}, "
-                f"which is already a train metric of this trainer ({list(taken)}); rename it"
-            )
-        try:
-            array = jnp.asarray(value)
-        except TypeError:
-            array = None
-        if array is None or not (
-            jnp.issubdtype(array.dtype, jnp.number) or array.dtype == jnp.bool_
-        ):
-            raise TypeError(
-                f"loss function {loss_name!r} returned the auxiliary output {name!r} as a "
-                f"{type(value).__name__}; each must be a number or an array (a scalar, or "
-                "per-example values, which are averaged)"
-            )
-        result[name] = jnp.mean(array.astype(jnp.float32))
-    return result
-
-
-def _global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all of `tree`'s leaves together, in float32 (`optax.tree.norm`)."""
-    leaves = jax.tree.leaves(tree)
-    total = sum((jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in leaves), jnp.float32(0))
-    return jnp.sqrt(total)

@@ -28,13 +28,12 @@ from ._programs import Programs, StepResult
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
-    GRAD_NORM_NAMES,
     RESERVED_EVAL_NAMES,
-    RESERVED_TRAIN_NAMES,
     check_callables,
     check_ema_decay,
     check_metrics,
     step_config,
+    train_names,
 )
 
 
@@ -53,8 +52,8 @@ class Trainer:
 
     Args:
       model: the model function or module.
-      loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
-        or None when the model adds its losses with `ctx.add_loss`.
+      loss_fn: `loss_fn(labels, predictions) -> loss` (mean-reduced) or `(loss, {name:
+        aux value})` (train metrics), or None when the model adds its losses (`ctx.add_loss`).
       optimizer: an `optax.GradientTransformation`.
       train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for train steps.
       eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for eval steps.
@@ -91,17 +90,7 @@ class Trainer:
         step, `ema = ema_decay * ema + (1 - ema_decay) * params` after each optimizer step
         (a skipped step leaves it), from the initial parameters; `ema_params` reads it,
         checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
-      log_grad_norm: the train step also returns `"grad_norm"`, the global L2 norm of the
-        gradients the optimizer gets (the mean over devices and micro-batches, unscaled),
-        and `"update_norm"`, that of the optimizer's update (before `add_per_step_update`
-        functions); hooks log them as `"train/grad_norm"` and `"train/update_norm"`.
-        Computed in the compiled step: no extra synchronization.
-
-    A loss function may return `(loss, {name: value, ...})` (as `jax.value_and_grad`'s
-    `has_aux`): each value, a scalar or per-example values (averaged like the loss),
-    becomes the train metric `name`, averaged over devices and micro-batches, after the
-    other train metrics in `train_step`'s dict (`train_metric_names` lists them once a
-    train step is compiled).
+      log_grad_norm: add train metrics `"grad_norm"` and `"update_norm"` (global L2 norms).
 
     Raises:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
@@ -153,21 +142,15 @@ class Trainer:
         self.compute_dtype = dtype_name(dtype)
         self.loss_scale = check_loss_scale(loss_scale, dtype)
         self.ema_decay = check_ema_decay(ema_decay)
-        if not isinstance(log_grad_norm, (bool, np.bool_)):
-            raise TypeError(
-                f"log_grad_norm must be True or False, got {type(log_grad_norm).__name__}"
-            )
-        self.log_grad_norm = bool(log_grad_norm)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        reserved = RESERVED_TRAIN_NAMES + (GRAD_NORM_NAMES if self.log_grad_norm else ())
-        self.train_metrics = check_metrics(train_metrics, "train", reserved)
+        self.train_metrics = check_metrics(train_metrics, "train", train_names(log_grad_norm))
         self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
                              strategy, self.accumulate_steps, dtype, self.loss_scale,
-                             self.ema_decay, self.log_grad_norm)  # fmt: skip
+                             self.ema_decay, log_grad_norm)  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
@@ -196,7 +179,7 @@ class Trainer:
 
     @property
     def train_metric_names(self) -> tuple[str, ...]:
-        """The keys of `train_step`'s metrics, in order."""
+        """The keys of `train_step`'s metrics, in order (a loss's aux outputs' once compiled)."""
         return self._programs.metric_names
 
     @property
@@ -378,8 +361,8 @@ class Trainer:
         micro-batches. The values stay on the device: reading one waits for the step.
 
         Returns:
-          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then
-          `"skipped_steps"` and `"loss_scale"` when on.
+          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then those
+          turned on (`"skipped_steps"`, `"loss_scale"`, `"grad_norm"`, ...), a loss's aux.
 
         Raises:
           TypeError: an input or label is not an array.

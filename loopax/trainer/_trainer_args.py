@@ -30,8 +30,18 @@ _METRIC_METHODS = ("init", "update", "merge", "compute")
 # The names the step bodies give their own values; no user metric may take one.
 RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, OVERFLOW_STEPS, LOSS_SCALE)
 RESERVED_EVAL_NAMES = (MEAN_LOSS,)
-# Reserved too with `log_grad_norm=True`.
-GRAD_NORM_NAMES = (GRAD_NORM, UPDATE_NORM)
+
+
+def train_names(log_grad_norm: bool) -> tuple[str, ...]:
+    """The train metric names the step bodies take: no user metric may take one."""
+    return RESERVED_TRAIN_NAMES + ((GRAD_NORM, UPDATE_NORM) if log_grad_norm else ())
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """`value` as a bool; raises TypeError naming `name` unless it is one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
@@ -102,7 +112,7 @@ def step_config(
         compute_dtype=compute_dtype,
         loss_scale=loss_scale,
         ema_decay=ema_decay,
-        log_grad_norm=log_grad_norm,
+        log_grad_norm=check_flag("log_grad_norm", log_grad_norm),
     )
 
 
