@@ -487,6 +487,8 @@ class Loop:
         Raises:
           ValueError, TypeError, HookError, NonFiniteLossError: as `run_epochs`.
         """
+        if not self._runner.epoch_count.left(_validate.non_negative_int("epochs", epochs)):
+            return {}  # done already
         return self._runner.epochs(dataset, epochs, total=True)
 
     def __repr__(self) -> str:

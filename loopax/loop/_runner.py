@@ -53,7 +53,6 @@ class Runner:
       loop_step, start_step, end_step, epoch, run_index, metrics, stop_reason: as in
         `Loop`, which shows them.
       metrics_step: the loop step of `metrics` (-1 before any).
-      epoch_count: the epochs completed in total (`EpochCount`).
       group: the latest group of fused steps, or None (`steps_per_execution=1`).
       running: whether a run is in progress.
       stop_requested: whether the run ends after the current step's hooks.
@@ -207,10 +206,8 @@ class Runner:
         return self.steps(dataset, remaining)
 
     def epochs(self, dataset: Dataset | Iterable[Any], epochs: int, total: bool = False) -> Metrics:
-        """`Loop.run_epochs`; with `total`, `Loop.run_to_epoch` (`EpochCount`)."""
+        """`Loop.run_epochs`; with `total`, `Loop.run_to_epoch` (`epoch_count`: in total)."""
         epochs = _validate.non_negative_int("epochs", epochs)
-        if total and not self.epoch_count.left(epochs):
-            return {}
         dataset = self._iterable.dataset(dataset, self._trainer)
         check_restartable(dataset, "run_to_epoch" if total else "run_epochs")
         with self._run(dataset, -1, epochs if total else None):

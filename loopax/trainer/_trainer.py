@@ -28,12 +28,10 @@ from ._programs import Programs, StepResult
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
-    RESERVED_EVAL_NAMES,
     check_callables,
     check_ema_decay,
-    check_metrics,
+    checked,
     step_config,
-    train_names,
 )
 
 
@@ -145,8 +143,7 @@ class Trainer:
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.train_metrics = check_metrics(train_metrics, "train", train_names(log_grad_norm))
-        self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
+        self.train_metrics, self.eval_metrics = checked(train_metrics, eval_metrics, log_grad_norm)
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
                              strategy, self.accumulate_steps, dtype, self.loss_scale,

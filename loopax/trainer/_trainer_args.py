@@ -32,9 +32,16 @@ RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, OVERFLOW_STEPS
 RESERVED_EVAL_NAMES = (MEAN_LOSS,)
 
 
-def train_names(log_grad_norm: bool) -> tuple[str, ...]:
-    """The train metric names the step bodies take: no user metric may take one."""
-    return RESERVED_TRAIN_NAMES + ((GRAD_NORM, UPDATE_NORM) if log_grad_norm else ())
+def checked(train: Sequence[Any], evals: Sequence[Any], log_grad_norm: Any) -> tuple:
+    """The train and eval metrics, each checked by `check_metrics`, as a pair of tuples.
+
+    No metric may take a name the step bodies give their own values (with `log_grad_norm`,
+    `"grad_norm"` and `"update_norm"` too).
+    """
+    reserved = RESERVED_TRAIN_NAMES + ((GRAD_NORM, UPDATE_NORM) if log_grad_norm else ())
+    return check_metrics(train, "train", reserved), check_metrics(
+        evals, "eval", RESERVED_EVAL_NAMES
+    )
 
 
 def check_flag(name: str, value: Any) -> bool:
