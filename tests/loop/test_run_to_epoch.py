@@ -117,6 +117,34 @@ def test_an_epoch_interrupted_inside_finishes_and_the_total_is_as_asked(uninterr
         assert resumed.history[key] == whole.history[key]
 
 
+def test_fused_steps_resume_to_the_same_total(uninterrupted, tmp_path):
+    whole, _ = uninterrupted
+
+    def fused_loop():
+        return loopax.Loop(new_loop().trainer, steps_per_execution=4)
+
+    first = fused_loop()
+    hooks.checkpoint(first, tmp_path, every_n_steps=3)
+
+    def fail(loop, metrics):  # once per group of fused steps, at its last step
+        if loop.trainer.global_step >= 13:
+            raise RuntimeError("interrupted")
+
+    first.on_step("fail", fail)
+    with pytest.raises(loopax.HookError, match="interrupted"):
+        first.run_to_epoch(data(), EPOCHS)
+    resumed = fused_loop()
+    hooks.checkpoint(resumed, tmp_path, every_n_steps=3)
+    assert (resumed.trainer.global_step, resumed.epochs_done) == (12, 2)
+    resumed.run_to_epoch(data(), EPOCHS)
+    assert (resumed.trainer.global_step, resumed.epochs_done) == (20, EPOCHS)
+    # Fused programs against single steps: equal to float tolerance (as tests/loop/test_fused).
+    for got, want in zip(
+        jax.tree.leaves(resumed.trainer.params), jax.tree.leaves(whole.trainer.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
 def test_a_save_at_an_epochs_end_does_not_count_it_twice(uninterrupted, tmp_path):
     whole, _ = uninterrupted
     first = new_loop()
