@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> float:
         loop, "eval/val/mean_loss", factor=0.5, patience=2
     )  # ReduceLROnPlateau
     hooks.progress_bar(loop)  # verbose=1
-    loop.run_epochs(loopax.ArrayDataset(x_train, y_train, 64), args.epochs)  # model.fit(epochs=...)
+    # model.fit(epochs=...): epochs in total (run_epochs would run that many more).
+    loop.run_to_epoch(loopax.ArrayDataset(x_train, y_train, 64), args.epochs)
     accuracy = trainer.evaluate(val)["Accuracy"]  # model.evaluate(x_val, y_val)
     print(f"stopped after epoch {loop.epoch}; val accuracy: {accuracy:.3f}")
     return accuracy

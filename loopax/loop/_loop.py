@@ -23,6 +23,11 @@ _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on 
 __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
 
+def _runner_view(name: str, doc: str) -> Any:
+    """A read-only property of the `Loop`: its runner's attribute `name`."""
+    return property(lambda self: getattr(self._runner, name), doc=doc)
+
+
 class Loop:
     """Runs a `Trainer` over a dataset for some steps or epochs, firing hooks.
 
@@ -72,7 +77,9 @@ class Loop:
       start_step: the first step of the current run.
       end_step: one past the last step of the run; -1 while unknown during the first
         epoch of `run_epochs`.
-      epoch: the current epoch of `run_epochs` (0-based).
+      epoch: the current epoch (0-based): of `run_epochs` in the run (`run_to_epoch`: total).
+      epochs_done: the epochs completed in total by `run_epochs` and `run_to_epoch`,
+        restored ones included (checkpoints keep it).
       run_index: incremented at the start of every run (hooks use it to spot a new run).
       metrics: the latest step's metrics, on the device.
       steps_per_execution: the most steps per compiled call.
@@ -83,6 +90,7 @@ class Loop:
       interrupted: True from the OnEnd hooks of a run that SIGINT or SIGTERM stopped before
         its last step (on any process of the run) until the next run starts.
       checkpointed_step: the newest global step a checkpoint hook saved, or None.
+      running: whether a run is in progress.
 
     Example:
       >>> import jax, numpy as np, optax, flax.linen as nn, loopax
@@ -128,52 +136,23 @@ class Loop:
             lambda: self.checkpointed_step,
         )
 
-    # -- where the run stands -------------------------------------------------------------
+    # -- where the run stands (the runner's, read-only; see the class) -------------------
+
+    loop_step = _runner_view("loop_step", "The step being run (see the class).")
+    start_step = _runner_view("start_step", "The first step of the current run.")
+    end_step = _runner_view("end_step", "One past the last step of the run; -1 while unknown.")
+    epoch = _runner_view("epoch", "The current epoch (see the class).")
 
     @property
-    def loop_step(self) -> int:
-        """The step being run (see the class)."""
-        return self._runner.loop_step
+    def epochs_done(self) -> int:
+        """Epochs completed in total by `run_epochs` and `run_to_epoch`, restored ones included."""
+        return self._runner.epoch_count.done
 
-    @property
-    def start_step(self) -> int:
-        """The first step of the current run."""
-        return self._runner.start_step
-
-    @property
-    def end_step(self) -> int:
-        """One past the last step of the run; -1 while unknown (see the class)."""
-        return self._runner.end_step
-
-    @property
-    def epoch(self) -> int:
-        """The current epoch of `run_epochs` (0-based)."""
-        return self._runner.epoch
-
-    @property
-    def run_index(self) -> int:
-        """Incremented at the start of every run."""
-        return self._runner.run_index
-
-    @property
-    def metrics(self) -> Metrics:
-        """The latest step's metrics, on the device."""
-        return self._runner.metrics
-
-    @property
-    def stop_reason(self) -> str | None:
-        """The reason given to `request_stop`, or None."""
-        return self._runner.stop_reason
-
-    @property
-    def interrupted(self) -> bool:
-        """Whether SIGINT or SIGTERM stopped the run before its last step (see the class)."""
-        return self._runner.interrupted
-
-    @property
-    def running(self) -> bool:
-        """Whether a run (`run_steps`, `run_epochs`) is in progress."""
-        return self._runner.running
+    run_index = _runner_view("run_index", "Incremented at the start of every run.")
+    metrics = _runner_view("metrics", "The latest step's metrics, on the device.")
+    stop_reason = _runner_view("stop_reason", "The reason given to `request_stop`, or None.")
+    interrupted = _runner_view("interrupted", "Whether a signal stopped the run (see the class).")
+    running = _runner_view("running", "Whether a run (`run_steps`, `run_epochs`) is in progress.")
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -311,6 +290,7 @@ class Loop:
             "history": self.history.get_state(),
             "hooks": self._hooks.get_states(),
             "run": self._runner.run_state(),
+            "epochs": self._runner.epoch_count.state(self._runner.running),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -321,6 +301,7 @@ class Loop:
         if "history" in state:
             self.history.set_state(state["history"])
         self._runner.remember_run(state.get("run"))
+        self._runner.epoch_count.remember(state.get("epochs"))
         self._hooks.set_states(state.get("hooks", {}))
 
     # -- metrics --------------------------------------------------------------------------
@@ -480,7 +461,9 @@ class Loop:
         return self._runner.to_step(dataset, global_step)
 
     def run_epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
-        """Runs `epochs` passes over `dataset`; resets it after each epoch.
+        """Runs `epochs` more passes over `dataset`, resetting it after each (GoMLX's RunEpochs).
+
+        For a total that survives a resume, use `run_to_epoch`.
 
         The first epoch starts where the dataset is (no reset before it). `end_step` is -1
         until the first epoch ends, then extrapolated from its number of batches. `dataset`
@@ -492,6 +475,21 @@ class Loop:
           HookError, NonFiniteLossError: as `run_steps`.
         """
         return self._runner.epochs(dataset, epochs)
+
+    def run_to_epoch(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
+        """Runs until `epochs` epochs are done in total (`epochs_done`), as Keras's `fit`.
+
+        Resume-aware, as `run_to_step`: after a restore the interrupted epoch finishes from
+        the checkpoint's dataset position, then the rest run; `loop.epoch` counts in total.
+        Returns `{}` when they are done (a warning says so when more are); else as `run_epochs`.
+        See the checkpoints guide.
+
+        Raises:
+          ValueError, TypeError, HookError, NonFiniteLossError: as `run_epochs`.
+        """
+        if not self._runner.epoch_count.left(_validate.non_negative_int("epochs", epochs)):
+            return {}  # done already
+        return self._runner.epochs(dataset, epochs, total=True)
 
     def __repr__(self) -> str:
         return (

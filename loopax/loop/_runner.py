@@ -17,6 +17,7 @@ from ..trainer._inflight import InFlight, limit_for
 from ..trainer._trainer import Trainer
 from ._ahead import AheadCompiles
 from ._batch_check import HELD_BYTES, kept
+from ._epochs import EpochCount
 from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import FINISHED, NEVER
 from ._hook_registry import HookRegistry
@@ -83,6 +84,7 @@ class Runner:
         self.start_step = trainer.global_step
         self.end_step = -1
         self.epoch = 0
+        self.epoch_count = EpochCount()
         self.run_index = 0
         self.metrics: Metrics = {}
         self.metrics_step = -1
@@ -203,12 +205,13 @@ class Runner:
             return {}
         return self.steps(dataset, remaining)
 
-    def epochs(self, dataset: Dataset | Iterable[Any], epochs: int) -> Metrics:
-        """`Loop.run_epochs`."""
+    def epochs(self, dataset: Dataset | Iterable[Any], epochs: int, total: bool = False) -> Metrics:
+        """`Loop.run_epochs`; with `total`, `Loop.run_to_epoch` (`epoch_count`: in total)."""
         epochs = _validate.non_negative_int("epochs", epochs)
         dataset = self._iterable.dataset(dataset, self._trainer)
-        check_restartable(dataset, "run_epochs")
-        with self._run(dataset, -1):
+        check_restartable(dataset, "run_to_epoch" if total else "run_epochs")
+        with self._run(dataset, -1, epochs if total else None):
+            self.epoch_count.first_start(self.loop_step)  # a restored epoch's, or here
             # A position restored from a save at an epoch's end (every_n_epochs) is at the
             # end of its data: the run starts with the next pass, not with an empty one.
             at_end_of_pass = True
@@ -225,7 +228,7 @@ class Runner:
                     raise ValueError(
                         f"dataset {shown_name(dataset)!r} yielded no batch in epoch {self.epoch}"
                     )
-                self.end_step = self.loop_step + self._epoch_batches * (epochs - self.epoch - 1)
+                self.end_step = self.epoch_count.finish(self.loop_step, epochs - self.epoch - 1)
                 self._settle_between_steps()
                 self._hooks.reschedule()
                 self.run_phase("OnEpochEnd", self.metrics)
@@ -301,7 +304,7 @@ class Runner:
         self._hooks.halted = False
 
     @contextlib.contextmanager
-    def _run(self, dataset: Dataset, end_step: int) -> Iterator[None]:
+    def _run(self, dataset: Dataset, end_step: int, end_epoch: int | None = None) -> Iterator[None]:
         if self.running:
             raise RuntimeError("this Loop is already running; a hook cannot start another run")
         self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
@@ -309,7 +312,7 @@ class Runner:
         self.running = True
         try:
             with self._interrupts:
-                self._start_run(dataset, end_step)
+                self._start_run(dataset, end_step, end_epoch)
                 yield
         except BaseException as error:
             self._in_flight.wait_all()
@@ -319,6 +322,7 @@ class Runner:
             raise
         finally:
             self.running = self._hooks.scheduling = False
+            self.epoch_count.end_run()
             agreed = self._close_agreement()
         signum = self._interrupts.received
         if signum is None and agreed is not None and self.loop_step == agreed.step + 1:
@@ -350,7 +354,7 @@ class Runner:
         agreement.close()
         return agreed
 
-    def _start_run(self, dataset: Dataset, end_step: int) -> None:
+    def _start_run(self, dataset: Dataset, end_step: int, end_epoch: int | None) -> None:
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -359,17 +363,13 @@ class Runner:
         # it) keeps the train metrics' averages the checkpoint holds, as the uninterrupted
         # run did; any other run starts them afresh.
         resumed, self._resumed_run = self._resumed_run, None
-        continuing = (
-            resumed is not None
-            and 0 <= resumed["start_step"] <= trainer.global_step < end_step
-            and resumed["end_step"] == end_step
-        )
+        self.epoch = self.epoch_count.begin(end_epoch)  # run_to_epoch: counted in total
+        continuing = self.epoch_count.continues(resumed, trainer.global_step, end_step)
         if not continuing:
             trainer.reset_train_metrics()
         self.run_index += 1
         self.loop_step = self.start_step = trainer.global_step
-        self.end_step = end_step
-        self.epoch = 0
+        self.end_step = self.epoch_count.end_step(resumed, continuing, end_step)
         self.stop_requested = self.interrupted = False
         self._hooks.halted = False
         self.stop_reason = None

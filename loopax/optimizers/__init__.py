@@ -17,6 +17,7 @@ from ._schedules import cosine_decay as cosine_decay
 from ._schedules import exponential_decay as exponential_decay
 from ._schedules import periodic_cosine as periodic_cosine
 from ._schedules import schedule_from_name as schedule_from_name
+from ._schedules import stepped as stepped
 from ._schedules import warmup_cosine as warmup_cosine
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "scale_learning_rate",
     "set_learning_rate",
     "sgd",
+    "stepped",
     "warmup_cosine",
 ]

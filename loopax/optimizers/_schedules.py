@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
 
 import jax.numpy as jnp
 import optax
@@ -300,12 +300,126 @@ def periodic_cosine(
     return schedule
 
 
+def _stepped_boundaries(boundaries_and_scales: Any) -> list[tuple[int, float]]:
+    """The `(step, scale)` pairs of `stepped`, validated and sorted by step."""
+    function = "stepped"
+    if isinstance(boundaries_and_scales, Mapping):
+        items = list(boundaries_and_scales.items())
+    elif isinstance(boundaries_and_scales, (str, bytes)) or not isinstance(
+        boundaries_and_scales, Iterable
+    ):
+        raise TypeError(
+            f"{function}: boundaries_and_scales={boundaries_and_scales!r} must be a dict "
+            "{step: scale} or a sequence of (step, scale) pairs, e.g. {30: 0.1, 60: 0.1}."
+        )
+    else:
+        items = []
+        for pair in boundaries_and_scales:
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable):
+                raise TypeError(
+                    f"{function}: boundaries_and_scales entry {pair!r} must be a (step, scale) "
+                    "pair."
+                )
+            pair = tuple(pair)
+            if len(pair) != 2:
+                raise TypeError(
+                    f"{function}: boundaries_and_scales entry {pair!r} must be a (step, scale) "
+                    "pair."
+                )
+            items.append(pair)
+    result: dict[int, float] = {}
+    for key, scale in items:
+        # Configuration files written as JSON have string keys: "30" means step 30.
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            key = int(key)
+        _require_steps(function, "a boundaries_and_scales step", cast(int, key), minimum=0)
+        step = int(key)
+        if step in result:
+            raise ValueError(
+                f"{function}: boundary step {step} appears twice in boundaries_and_scales; "
+                "give each step once with the product of its scales."
+            )
+        result[step] = _check_value(function, f"boundaries_and_scales[{step}]", scale)
+    return sorted(result.items())
+
+
+def stepped(
+    init_value: float,
+    boundaries_and_scales: Mapping[int, float] | Iterable[tuple[int, float]],
+    warmup_steps: int = 0,
+) -> optax.Schedule:
+    """Returns a piecewise-constant ("stepped") schedule, optionally after a linear warmup.
+
+    The value at step ``t`` (the number of updates done so far) is ``init_value`` times
+    the product of every scale whose boundary step is at most ``t``: the scales multiply,
+    as in optax's ``piecewise_constant_schedule`` (same argument, same values), so
+    ``{30: 0.1, 60: 0.1}`` gives ``init_value`` for steps 0-29, ``init_value / 10`` for
+    30-59 and ``init_value / 100`` from 60 on. ``flax.training.lr_schedule``'s stepped
+    schedule gives each step its *absolute* factor and counts epochs: its
+    ``lr_sched_steps=[[30, 0.1], [60, 0.01]]`` is ``{30 * steps_per_epoch: 0.1,
+    60 * steps_per_epoch: 0.1}`` here.
+
+    With ``warmup_steps``, the value is multiplied by ``min(1, t / warmup_steps)`` (a
+    linear warmup from 0, as flax's ``warmup_length``); boundaries count from step 0,
+    warmup included, as ``warmup_cosine``'s ``decay_steps`` does.
+
+    Args:
+        init_value: the value before the first boundary; a non-negative finite number.
+        boundaries_and_scales: a dict ``{step: scale}`` (or a sequence of ``(step, scale)``
+            pairs): from ``step`` on, the value is multiplied by ``scale``. Steps are
+            non-negative integers (strings of digits, as JSON keys, are accepted); scales
+            non-negative finite numbers. May be empty (a constant schedule).
+        warmup_steps: the number of linear warmup steps (0 for none).
+
+    Returns:
+        An ``optax.Schedule``; any loopax optimizer takes it as ``learning_rate``.
+
+    Raises:
+        ValueError: if a step is negative, not an integer or given twice, a scale or
+            ``init_value`` is negative or not finite, or ``warmup_steps`` is negative.
+        TypeError: if ``boundaries_and_scales`` is not a dict or a sequence of pairs.
+
+    Example:
+        >>> from loopax.optimizers import stepped
+        >>> schedule = stepped(1.0, {3: 0.1, 5: 0.5})
+        >>> [round(float(schedule(step)), 4) for step in range(7)]
+        [1.0, 1.0, 1.0, 0.1, 0.1, 0.05, 0.05]
+        >>> warm = stepped(1.0, {6: 0.1}, warmup_steps=4)
+        >>> [round(float(warm(step)), 4) for step in range(8)]
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 0.1, 0.1]
+    """
+    function = "stepped"
+    init_value = _check_value(function, "init_value", init_value)
+    _require_steps(function, "warmup_steps", warmup_steps, minimum=0)
+    pairs = _stepped_boundaries(boundaries_and_scales)
+    boundaries = jnp.asarray([step for step, _ in pairs], jnp.int32)
+    # values[i] is the value once i boundaries are passed.
+    values_list = [init_value]
+    for _, scale in pairs:
+        values_list.append(values_list[-1] * scale)
+    values = jnp.asarray(values_list, jnp.float32)
+
+    def schedule(count: Any) -> Any:
+        step = jnp.asarray(count)
+        passed = jnp.sum(boundaries <= step) if pairs else jnp.asarray(0, jnp.int32)
+        value = values[passed]
+        if warmup_steps > 0:
+            warming = jnp.minimum(jnp.asarray(step, jnp.float32) / warmup_steps, 1.0)
+            value = value * warming
+        return value
+
+    return schedule
+
+
 _SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
     "constant": constant_schedule,
     "constant_schedule": constant_schedule,
     "cosine_decay": cosine_decay,
     "exponential_decay": exponential_decay,
     "periodic_cosine": periodic_cosine,
+    "stepped": stepped,
     "warmup_cosine": warmup_cosine,
 }
 
@@ -315,8 +429,8 @@ def schedule_from_name(name: str, **kwargs: Any) -> optax.Schedule:
 
     Args:
         name: one of ``"constant"`` (or ``"constant_schedule"``), ``"cosine_decay"``,
-            ``"exponential_decay"``, ``"periodic_cosine"``, ``"warmup_cosine"``
-            (case-insensitive).
+            ``"exponential_decay"``, ``"periodic_cosine"``, ``"stepped"``,
+            ``"warmup_cosine"`` (case-insensitive).
         **kwargs: the arguments of that schedule's factory, e.g. ``init_value`` and
             ``period_steps`` for ``"periodic_cosine"``.
 
@@ -340,6 +454,6 @@ def schedule_from_name(name: str, **kwargs: Any) -> optax.Schedule:
         Traceback (most recent call last):
         ...
         ValueError: unknown schedule 'cosine'; valid names are: constant, constant_schedule, \
-cosine_decay, exponential_decay, periodic_cosine, warmup_cosine.
+cosine_decay, exponential_decay, periodic_cosine, stepped, warmup_cosine.
     """
     return build_by_name("schedule", name, _SCHEDULES, kwargs)

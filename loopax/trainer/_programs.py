@@ -55,7 +55,7 @@ class Programs:
     Attributes:
       steps: the step bodies, rebuilt by `configure`.
       metric_names: the keys of a train step's metrics, in order (the step bodies'
-        `train_keys`).
+        `train_keys`, then `aux_names`).
     """
 
     def __init__(
@@ -75,13 +75,20 @@ class Programs:
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
         self._host_train = config.host_train or None
         self.steps = StepBuilder(model.adapted, config)
-        self.metric_names = self.steps.train_keys
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys of a train step's metrics, in order.
+
+        The step bodies' `train_keys`, then the names of the loss function's auxiliary
+        outputs once a train step is traced.
+        """
+        return self.steps.train_keys + self.steps.aux_names
 
     def configure(self, **changes: Any) -> None:
         """Rebuilds the step bodies with `changes` to their config; drops compiled programs."""
         config = dataclasses.replace(self.steps.config, **changes)
         self.steps = StepBuilder(self._model.adapted, config)
-        self.metric_names = self.steps.train_keys
         self._cache.clear()
         self._creator.cancel()
 

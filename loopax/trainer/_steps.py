@@ -6,8 +6,8 @@ See `_parallel` for how they are made data-parallel.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import optax
 
 from ..metrics._loss_average import LossMovingAverage
 from ..metrics._mean import zero_mean_state
+from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._host_metrics import HostMetrics
@@ -40,6 +41,8 @@ MOVING_AVERAGE_LOSS = LossMovingAverage.name
 SKIPPED_STEPS = "skipped_steps"  # with `skip_non_finite_steps` or dynamic loss scaling
 OVERFLOW_STEPS = "overflow_steps"  # with dynamic loss scaling: its skips of them
 LOSS_SCALE = "loss_scale"  # with `loss_scale`
+GRAD_NORM = "grad_norm"  # with `log_grad_norm`: the global L2 norm of the gradients
+UPDATE_NORM = "update_norm"  # with `log_grad_norm`: the global L2 norm of the update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class StepConfig:
       loss_scale: None, a static scale, or `"dynamic"`.
       ema_decay: keep `TrainState.ema_params`, the parameters' exponential moving average
         with this decay; None: none.
+      log_grad_norm: the train step also returns `"grad_norm"` and `"update_norm"`.
     """
 
     loss_fn: LossFn | None
@@ -83,6 +87,7 @@ class StepConfig:
     compute_dtype: Any = None
     loss_scale: float | str | None = None
     ema_decay: float | None = None
+    log_grad_norm: bool = False
 
     @property
     def dynamic_scale(self) -> bool:
@@ -104,7 +109,11 @@ class StepBuilder:
     Attributes:
       train_keys: the train step's metric names, in the order of its metrics dict:
         `"loss"`, `"moving_average_loss"`, the user's, then `"skipped_steps"`,
-        `"overflow_steps"` and `"loss_scale"` when on.
+        `"overflow_steps"`, `"loss_scale"`, `"grad_norm"` and `"update_norm"` when on.
+        The names of the loss function's auxiliary outputs follow (`aux_names`), once
+        the train step has been traced.
+      aux_names: the names of the loss function's auxiliary outputs (`(loss, {name:
+        value})`), in its order; known once a train step is traced, () before.
       eval_keys: the eval step's: `"mean_loss"`, then the user's.
       train_state_keys: the keys of `TrainState.train_metrics`, in the order of its
         metrics: `"moving_average_loss"`, then the user's compiled ones (a host metric's
@@ -124,7 +133,10 @@ class StepBuilder:
             train_keys = (*train_keys, OVERFLOW_STEPS)
         if config.loss_scale is not None:
             train_keys = (*train_keys, LOSS_SCALE)
+        if config.log_grad_norm:
+            train_keys = (*train_keys, GRAD_NORM, UPDATE_NORM)
         self.train_keys: tuple[str, ...] = train_keys
+        self.aux_names: tuple[str, ...] = ()
         self.eval_keys: tuple[str, ...] = (MEAN_LOSS, *config.eval_order)
         self.train_state_keys: tuple[str, ...] = (
             MOVING_AVERAGE_LOSS,
@@ -168,7 +180,17 @@ class StepBuilder:
         return {"params": params_key, "dropout": dropout_key}
 
     def loss_of(self, labels, predictions, added_loss) -> jax.Array:
+        """The loss to minimize (the loss function's auxiliary outputs dropped)."""
+        return self.loss_and_aux(labels, predictions, added_loss)[0]
+
+    def loss_and_aux(self, labels, predictions, added_loss) -> tuple[jax.Array, dict]:
+        """`(loss, aux)`: the loss to minimize and the loss function's auxiliary outputs.
+
+        `aux` is `{name: float32 scalar}` (each value mean-reduced like the loss), empty
+        unless the loss function returns `(loss, {name: value, ...})`.
+        """
         loss_fn = self.config.loss_fn
+        aux: dict[str, jax.Array] = {}
         if loss_fn is None and added_loss is None:
             raise ValueError(
                 "no loss to minimize: pass a loss_fn to the Trainer, or call ctx.add_loss(...) "
@@ -177,18 +199,21 @@ class StepBuilder:
         total = jnp.zeros((), jnp.float32)
         self.traced_prediction_shapes = tuple(tuple(p.shape) for p in predictions)
         if loss_fn is not None:
-            loss = loss_fn(labels, predictions)
+            loss: Any = loss_fn(labels, predictions)
+            name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+            if isinstance(loss, (tuple, list)) and len(loss) == 2 and isinstance(loss[1], Mapping):
+                loss, aux = loss[0], aux_outputs(name, loss[1], self.train_keys)
             if not (hasattr(loss, "shape") and hasattr(loss, "dtype")):
-                name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
                 raise TypeError(
                     f"loss function {name!r} returned a {type(loss).__name__}; it must return one "
-                    "array: the loss, or per-example losses (they are averaged). Report other "
+                    "array: the loss, or per-example losses (they are averaged), or a pair "
+                    "(loss, {name: value, ...}) whose values become train metrics. Report other "
                     "values with train_metrics, or add extra terms with ctx.add_loss"
                 )
-            total = total + jnp.mean(loss.astype(jnp.float32))
+            total = total + jnp.mean(cast(jax.Array, loss).astype(jnp.float32))
         if added_loss is not None:
             total = total + added_loss.astype(jnp.float32)
-        return total
+        return total, aux
 
     def apply_model(self, step, model_state, params, spec, rng, inputs, training: bool, micro=None):
         """The model on one shard: `(predictions, added loss, new model state)`.
@@ -239,7 +264,7 @@ class StepBuilder:
         return dict(variables)
 
     def _gradients(self, state, model_state, spec, rng, inputs, labels, scale, micro=None):
-        """One shard's `(grads, (local loss, predictions, new model state))`.
+        """One shard's `(grads, (local loss, predictions, new model state, local aux))`.
 
         The gradients are the mean over devices, times `scale` when given.
         """
@@ -250,19 +275,20 @@ class StepBuilder:
             predictions, added_loss, new_model_state = self.apply_model(
                 state.step, model_state, params, spec, rng, inputs, True, micro
             )
-            local_loss = self.loss_of(labels, predictions, added_loss)
+            local_loss, local_aux = self.loss_and_aux(labels, predictions, added_loss)
             value = strategy.gradient_objective(local_loss, pmean)
             if scale is not None:
                 value = value * scale
-            return value, (local_loss, predictions, new_model_state)
+            return value, (local_loss, predictions, new_model_state, local_aux)
 
         (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         return strategy.gradient_mean(grads, pmean), aux
 
     def _accumulated(self, state, spec, rng, inputs, labels, scale):
-        """Gradients, loss, model state and user metric states over the micro-batches.
+        """Gradients, loss, model state, user metric states, host and aux values of a step.
 
-        The micro-batches are the leading axis of `inputs`/`labels`, run in one `lax.scan`:
+        The loss function's auxiliary outputs are the mean of the micro-batches'. The
+        micro-batches are the leading axis of `inputs`/`labels`, run in one `lax.scan`:
         the activations of one micro-batch live at a time. The gradient is the mean of the
         micro-batches'.
         """
@@ -271,7 +297,7 @@ class StepBuilder:
         def micro_step(carry, batch):
             grad_sum, loss_sum, model_state, user_states = carry
             index, micro_inputs, micro_labels = batch
-            grads, (local_loss, predictions, new_model_state) = self._gradients(
+            grads, (local_loss, predictions, new_model_state, local_aux) = self._gradients(
                 state, model_state, spec, rng, micro_inputs, micro_labels, scale, index
             )
             user_states = self._update_metrics(user_states, micro_labels, predictions)
@@ -282,7 +308,8 @@ class StepBuilder:
                 self.collectives.reduce(new_model_state),
                 user_states,
             )
-            return carry, host_values
+            # The auxiliary outputs of each micro-batch (scalars), averaged after the scan.
+            return carry, (host_values, self.collectives.pmean(local_aux))
 
         start = (
             jax.tree.map(jnp.zeros_like, state.params),
@@ -291,11 +318,12 @@ class StepBuilder:
             self._user_states(state),
         )
         indices = jnp.arange(count, dtype=jnp.int32)
-        (grad_sum, loss_sum, model_state, user_states), host_values = jax.lax.scan(
+        (grad_sum, loss_sum, model_state, user_states), (host_values, aux) = jax.lax.scan(
             micro_step, start, (indices, list(inputs), list(labels))
         )
         grads = jax.tree.map(lambda g: g / count, grad_sum)
-        return grads, loss_sum / count, model_state, user_states, host_values
+        aux = {name: jnp.mean(values) for name, values in aux.items()}
+        return grads, loss_sum / count, model_state, user_states, host_values, aux
 
     def train(self, spec, rng, state: TrainState, inputs, labels):
         """Per-device: one optimizer step on this device's shard of the global batch.
@@ -312,22 +340,27 @@ class StepBuilder:
         elif config.loss_scale is not None:
             scale = jnp.float32(config.loss_scale)
         if config.accumulate:
-            grads, loss, new_model_state, user_states, host_values = self._accumulated(
+            grads, loss, new_model_state, user_states, host_values, aux = self._accumulated(
                 state, spec, rng, inputs, labels, scale
             )
             predictions = None  # the host metrics' step values come from each micro-batch
         else:
-            grads, (local_loss, predictions, new_model_state) = self._gradients(
+            grads, (local_loss, predictions, new_model_state, local_aux) = self._gradients(
                 state, state.model_state, spec, rng, inputs, labels, scale
             )
             loss = self.collectives.pmean(local_loss)
+            aux = self.collectives.pmean(local_aux)
             new_model_state = self.collectives.reduce(new_model_state)
             user_states = self._update_metrics(self._user_states(state), labels, predictions)
             host_values = None
+        self.aux_names = aux_names(self.aux_names, aux)
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = config.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        norms = {}
+        if config.log_grad_norm:  # of the mean gradient over devices and micro-batches
+            norms = {GRAD_NORM: global_norm(grads), UPDATE_NORM: global_norm(updates)}
         for update_fn in config.per_step_updates:
             params = update_fn(params)
         ok = average_ok = None
@@ -370,6 +403,8 @@ class StepBuilder:
             values[OVERFLOW_STEPS] = loss_scale[2]
         if config.loss_scale is not None:  # the scale the next step uses
             values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
+        values.update(norms)
+        values.update(aux)
         # Host metrics' step values, returned unread (a skipped step's are left out).
         if config.host_train:
             if host_values is None:

@@ -28,11 +28,9 @@ from ._programs import Programs, StepResult
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
-    RESERVED_EVAL_NAMES,
-    RESERVED_TRAIN_NAMES,
     check_callables,
     check_ema_decay,
-    check_metrics,
+    checked,
     step_config,
 )
 
@@ -52,8 +50,8 @@ class Trainer:
 
     Args:
       model: the model function or module.
-      loss_fn: `loss_fn(labels, predictions) -> loss` (non-scalars are mean-reduced),
-        or None when the model adds its losses with `ctx.add_loss`.
+      loss_fn: `loss_fn(labels, predictions) -> loss` (mean-reduced) or `(loss, {name:
+        aux value})` (train metrics), or None when the model adds its losses (`ctx.add_loss`).
       optimizer: an `optax.GradientTransformation`.
       train_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for train steps.
       eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for eval steps.
@@ -90,6 +88,7 @@ class Trainer:
         step, `ema = ema_decay * ema + (1 - ema_decay) * params` after each optimizer step
         (a skipped step leaves it), from the initial parameters; `ema_params` reads it,
         checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
+      log_grad_norm: add train metrics `"grad_norm"` and `"update_norm"` (global L2 norms).
 
     Raises:
       TypeError: the model is none of the above, loss_fn not callable, optimizer not an
@@ -131,6 +130,7 @@ class Trainer:
         rules: Sequence[tuple[str, str | None]] | None = None,
         fsdp: bool = False,
         ema_decay: float | None = None,
+        log_grad_norm: bool = False,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
         adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
@@ -143,12 +143,11 @@ class Trainer:
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.train_metrics = check_metrics(train_metrics, "train", RESERVED_TRAIN_NAMES)
-        self.eval_metrics = check_metrics(eval_metrics, "eval", RESERVED_EVAL_NAMES)
+        self.train_metrics, self.eval_metrics = checked(train_metrics, eval_metrics, log_grad_norm)
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
                              strategy, self.accumulate_steps, dtype, self.loss_scale,
-                             self.ema_decay)  # fmt: skip
+                             self.ema_decay, log_grad_norm)  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
@@ -175,7 +174,7 @@ class Trainer:
 
     @property
     def train_metric_names(self) -> tuple[str, ...]:
-        """The keys of `train_step`'s metrics, in order."""
+        """The keys of `train_step`'s metrics, in order (a loss's aux outputs' once compiled)."""
         return self._programs.metric_names
 
     @property
@@ -361,8 +360,8 @@ class Trainer:
         micro-batches. The values stay on the device: reading one waits for the step.
 
         Returns:
-          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then
-          `"skipped_steps"` and `"loss_scale"` when on.
+          `{"loss": ..., "moving_average_loss": ..., <train metric name>: ...}`, then those
+          turned on (`"skipped_steps"`, `"loss_scale"`, `"grad_norm"`, ...), a loss's aux.
 
         Raises:
           TypeError: an input or label is not an array.

@@ -10,12 +10,14 @@ import numpy as np
 from .._devices import AXIS
 from ._host_metrics import is_host_metric, split_host_metrics
 from ._steps import (
+    GRAD_NORM,
     LOSS,
     LOSS_SCALE,
     MEAN_LOSS,
     MOVING_AVERAGE_LOSS,
     OVERFLOW_STEPS,
     SKIPPED_STEPS,
+    UPDATE_NORM,
     StepConfig,
 )
 
@@ -28,6 +30,25 @@ _METRIC_METHODS = ("init", "update", "merge", "compute")
 # The names the step bodies give their own values; no user metric may take one.
 RESERVED_TRAIN_NAMES = (LOSS, MOVING_AVERAGE_LOSS, SKIPPED_STEPS, OVERFLOW_STEPS, LOSS_SCALE)
 RESERVED_EVAL_NAMES = (MEAN_LOSS,)
+
+
+def checked(train: Sequence[Any], evals: Sequence[Any], log_grad_norm: Any) -> tuple:
+    """The train and eval metrics, each checked by `check_metrics`, as a pair of tuples.
+
+    No metric may take a name the step bodies give their own values (with `log_grad_norm`,
+    `"grad_norm"` and `"update_norm"` too).
+    """
+    reserved = RESERVED_TRAIN_NAMES + ((GRAD_NORM, UPDATE_NORM) if log_grad_norm else ())
+    return check_metrics(train, "train", reserved), check_metrics(
+        evals, "eval", RESERVED_EVAL_NAMES
+    )
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """`value` as a bool; raises TypeError naming `name` unless it is one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_metrics(metrics: Sequence[Any], kind: str, reserved: tuple[str, ...]) -> tuple:
@@ -75,6 +96,7 @@ def step_config(
     compute_dtype: Any,
     loss_scale: Any,
     ema_decay: float | None,
+    log_grad_norm: bool = False,
 ) -> StepConfig:
     """The step bodies' first config; host metrics (`HostMetric`) split from compiled ones.
 
@@ -97,6 +119,7 @@ def step_config(
         compute_dtype=compute_dtype,
         loss_scale=loss_scale,
         ema_decay=ema_decay,
+        log_grad_norm=check_flag("log_grad_norm", log_grad_norm),
     )
 
 
