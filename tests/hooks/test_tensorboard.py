@@ -380,7 +380,9 @@ def test_a_resume_drops_the_later_points_of_every_run_directory(tmp_path):
     # again give the uninterrupted run's points once each.
     loop, checkpointer = attach()
     assert checkpointer.restore(4) == 4
-    loop.run_to_step(make_data(loop_forever=True), 10)
+    # Going on from step 4 moves checkpoints 8 and 10 (the first run's trajectory) aside.
+    with pytest.warns(RuntimeWarning, match="another trajectory"):
+        loop.run_to_step(make_data(loop_forever=True), 10)
     resumed = keyed_scalars(tmp_path / "tb")
     assert resumed.keys() == uninterrupted.keys()
     for key, points in uninterrupted.items():
