@@ -234,11 +234,58 @@ def adapt(model: Any, axis_name: str | None, annotate: bool = False) -> Any:
     if is_nnx_module(model):
         return NnxModel(model, annotate)
     if callable(model):
+        check_model_fn(model)
         return ModelModule(model_fn=model, axis_name=axis_name, annotate=annotate)
     raise TypeError(
         f"the model must be a model function model_fn(ctx, spec, inputs), a flax.linen.Module "
         f"or a flax.nnx.Module, got {type(model).__name__}"
     )
+
+
+def _module_class(model: Any) -> str | None:
+    """`"flax.linen"` or `"flax.nnx"` when `model` is a module class rather than an instance."""
+    if not isinstance(model, type):
+        return None
+    if issubclass(model, nn.Module):
+        return "flax.linen"
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and issubclass(model, nnx.Module):
+        return "flax.nnx"
+    return None
+
+
+def check_model_fn(model_fn: Any) -> None:
+    """Checks that a callable can be called as a model function, `model_fn(ctx, spec, inputs)`.
+
+    A callable whose signature Python cannot read (some built-in or C callables) passes:
+    only its first call can tell.
+
+    Raises:
+      TypeError: `model_fn` is a Flax module class (not an instance), or its signature
+        cannot take the three arguments (a Keras-style `model(inputs)`), naming it.
+    """
+    name = getattr(model_fn, "__name__", None) or type(model_fn).__name__
+    kind = _module_class(model_fn)
+    if kind is not None:
+        raise TypeError(
+            f"the model is the {kind} module class {name}, not a module: pass an instance, "
+            f"loopax.Trainer({name}(...), ...)"
+        )
+    try:
+        signature = inspect.signature(model_fn)
+    except (TypeError, ValueError):  # no signature to read: the first call will tell
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"the model function {name}{signature} cannot be called as loopax calls a model "
+            f"function, model_fn(ctx, spec, inputs) ({err}): ctx is the loopax.Context "
+            "(ctx.training, ctx.make_rng(), ...), spec the batch's spec (often None) and "
+            f"inputs the list of input arrays; write e.g. `def {name}(ctx, spec, inputs): "
+            "x = inputs[0] ...`, or pass a flax.linen.Module or flax.nnx.Module instance, "
+            "which loopax calls as module(*inputs)"
+        ) from None
 
 
 _NNX_RNGS_FIX = (

@@ -92,8 +92,10 @@ class Trainer:
         checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
 
     Raises:
-      TypeError: the model is none of the above, loss_fn not callable, optimizer not an
-        optax transformation, or a metric not following the Metric protocol.
+      TypeError: the model is none of the above (a function that cannot take `(ctx, spec,
+        inputs)`, such as a Keras-style `model(inputs)`, or a module class instead of an
+        instance, named with the fix), loss_fn not callable, optimizer not an optax
+        transformation, or a metric not following the Metric protocol.
       ValueError: duplicate metric names, an argument out of its range (naming it); at
         the first step, a model with no trainable parameters, `init_params` not fitting
         the model (naming the first differing entry and both shapes), an unmatched rule.
