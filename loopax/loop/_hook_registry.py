@@ -38,8 +38,8 @@ class HookRegistry:
       run: where the run stands, for the schedules and for the step errors name.
       before: called with a hook registered with `check_finite` before it runs (the
         finite check, which may halt the phase).
-      global_step: returns the trainer's global step, which a hook's error names beside
-        the loop step where they differ.
+      trainer: has the `global_step` a hook's error names beside the loop step where they
+        differ.
 
     Attributes:
       halted: True while the run has gone back to an earlier step (a rollback): the
@@ -57,11 +57,11 @@ class HookRegistry:
         owner: Any,
         run: RunInfo,
         before: Callable[[Hook], None],
-        global_step: Callable[[], int],
+        trainer: Any,
     ) -> None:
         self._owner = owner
         self._run = run
-        self._global_step = global_step
+        self._trainer = trainer
         self._before = before
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
@@ -199,7 +199,7 @@ class HookRegistry:
     # -- dispatch -------------------------------------------------------------------------
 
     def _error(self, phase: str, name: str, step: int, err: Exception) -> HookError:
-        return HookError(phase, name, step, err, global_step=self._global_step())
+        return HookError(phase, name, step, err, global_step=self._trainer.global_step)
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
