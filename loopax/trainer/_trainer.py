@@ -32,6 +32,7 @@ from ._trainer_args import (
     RESERVED_TRAIN_NAMES,
     check_callables,
     check_ema_decay,
+    check_mesh_context,
     check_metrics,
     step_config,
 )
@@ -92,13 +93,11 @@ class Trainer:
         checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
 
     Raises:
-      TypeError: the model is none of the above (a function that cannot take `(ctx, spec,
-        inputs)`, such as a Keras-style `model(inputs)`, or a module class instead of an
-        instance, named with the fix), loss_fn not callable, optimizer not an optax
-        transformation, or a metric not following the Metric protocol.
-      ValueError: duplicate metric names, an argument out of its range (naming it); at
-        the first step, a model with no trainable parameters, `init_params` not fitting
-        the model (naming the first differing entry and both shapes), an unmatched rule.
+      TypeError: the model is none of the above (e.g. `model(inputs)`), loss_fn not callable,
+        optimizer not an optax transformation, or a metric not following the Metric protocol.
+      ValueError: duplicate metric names, an argument out of range (naming it), a mesh context
+        other than its mesh; at the first step: no trainable parameters, `init_params` not
+        fitting the model (naming the first differing entry and both shapes), an unmatched rule.
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -135,6 +134,7 @@ class Trainer:
         ema_decay: float | None = None,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
+        check_mesh_context(strategy.mesh)
         adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
         check_callables(loss_fn, optimizer)
         self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)
