@@ -106,6 +106,8 @@ class EarlyStopping(MetricMonitor):
         self.stopped_step: int | None = None
         self.stop_reason: str | None = None
         self.restored_step: int | None = None
+        # Whether the stop happened in this process, not in a run a checkpoint restored.
+        self._stopped_here = False
         self._best_copy: dict[str, Any] | None = None  # the best weights, on the device
         self._best_copy_step: int | None = None
         # The training's own weights and global step, kept while the trainer holds the
@@ -134,6 +136,7 @@ class EarlyStopping(MetricMonitor):
         """
         self.best = self.best_step = self.stopped_step = self.stop_reason = None
         self.wait = 0
+        self._stopped_here = False
 
     def measures_training(self, loop: Loop) -> bool:
         # Between runs the trainer may hold the best parameters instead of the training's.
@@ -160,6 +163,7 @@ class EarlyStopping(MetricMonitor):
                 what = f"did not improve on {self.best:.6g} (step {self.best_step})"
             delta = f" by more than {self.min_delta:g}" if self.min_delta else ""
             self.stopped_step = step
+            self._stopped_here = True
             self.stop_reason = (
                 f"early stopping: {self.monitor} {what}{delta} in {self.wait} checks; "
                 f"stopped at step {step}"
@@ -176,14 +180,28 @@ class EarlyStopping(MetricMonitor):
     def _on_start(self, loop: Loop, dataset: Any) -> None:
         del dataset
         if self.stopped_step is not None:
-            _warnings.warn(
-                f"{self.name} stopped this training at step {self.stopped_step} "
-                f"({self.stop_reason}), so this run stops before its first step. Call reset() "
-                "on the object early_stopping returned to train on"
-            )
+            if self._stopped_here:  # a program running its loop again: it may want reset()
+                _warnings.warn(
+                    f"{self.name} stopped this training at step {self.stopped_step} "
+                    f"({self.stop_reason}), so this run stops before its first step. Call "
+                    "reset() on the object early_stopping returned to train on"
+                )
+            else:  # a finished job run again: its checkpoint says it ended
+                self._say(self._ended_line())
             loop.request_stop(self.stop_reason or "early stopping")
             return
         self._put_back_training_params(loop.trainer)
+
+    def _ended_line(self) -> str:
+        """Says that the training a checkpoint restored had stopped: why, where, its best step."""
+        stopped = f"; stopped at step {self.stopped_step}"
+        why = (self.stop_reason or "").removeprefix("early stopping: ").removesuffix(stopped)
+        best = "no best step" if self.best_step is None else f"best step {self.best_step}"
+        return (
+            f"{self.name}: this training already ended: stopped early at step "
+            f"{self.stopped_step} ({why}); {best}. Nothing is trained (reset() on the hook "
+            "trains on)"
+        )
 
     def _put_back_training_params(self, trainer: Trainer) -> None:
         """The next run continues the training from its own last parameters.
@@ -267,6 +285,7 @@ class EarlyStopping(MetricMonitor):
         super().set_state(state)
         self.stopped_step = state.get("stopped_step")
         self.stop_reason = state.get("stop_reason")
+        self._stopped_here = False
 
     def __repr__(self) -> str:
         return (
@@ -313,8 +332,11 @@ def early_stopping(
 
     The counters (best, best step, wait, stop) live on across runs and are saved with
     every checkpoint, so a resumed run continues the patience count. Once it has stopped
-    the training, a later run on the loop (or in a resumed process) stops at its start
-    with a warning, as the uninterrupted run did; `reset()` re-arms it.
+    the training, a later run stops at its start, as the uninterrupted run did: a job run
+    again (a new process resumed from the checkpoint of the finished training) prints one
+    line, `this training already ended: stopped early at step S (why); best step B`, and
+    then ends as the first run did (the best parameters restored); a later run on the same
+    loop in the same process warns instead. `reset()` re-arms it.
 
     Where loopax differs from Keras's `EarlyStopping`: `patience` counts checks of
     `monitor` (evaluations or epoch ends), not epochs; the counters are not reset when a

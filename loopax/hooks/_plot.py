@@ -238,8 +238,10 @@ def plot(
       curves to the highest of all curves, with a 5% margin, so the train curve's low first
       values run off below instead of squashing the eval curves. The same holds for the
       figure of the metric marked best (below) when higher is better for it.
-    - The best step: a dotted black vertical line in every figure, labelled with the metric,
-      its best value and step, and a star on that point in its own figure. The metric is
+    - The best step: a dotted black vertical line in every figure, and a star on that point
+      in its own figure. There it is labelled with the metric, its best value and step
+      (`best eval/val/mean_loss 0.0323 (step 1300)`); in the other figures with the step
+      and the metric that chose it (`best step 1300 (lowest eval/val/mean_loss)`). The metric is
       the `best_metric` of a `hooks.checkpoint` (with its `best_mode`), else the `monitor`
       of a `hooks.early_stopping` (with its `mode`), as attached when a run starts, else
       the first eval metric (`mean_loss`, lower is better) of the first dataset evaluated.

@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from ..loop import Loop, Priority
 from ..trainer import Trainer
+from ._bar_output import BarOutput
 from ._metric_info import is_writer_process, train_metric_infos
 from ._progress_status import FinishedMetrics, Throughput, format_interval, format_rate
 from ._schedules import ClockSchedule
@@ -102,6 +103,7 @@ class ProgressBar:
             "mininterval": 0,
         }
         self._infos = train_metric_infos(trainer)
+        self._output = BarOutput()
         self._finished = FinishedMetrics()
         self._running = False
         self._stream: Any = None
@@ -141,6 +143,8 @@ class ProgressBar:
             bar_format=_KNOWN_TOTAL_FORMAT if known else _UNKNOWN_TOTAL_FORMAT,
             **self._bar_options,
         )
+        if not _uses_widgets(self._bar_class):  # a widget is no line that prints continue
+            self._output.open(self.bar)
 
     def _writes_lines(self) -> bool:
         """Lines, unless asked otherwise, where carriage-return redraws would not show.
@@ -299,10 +303,17 @@ class ProgressBar:
         self._refresh(loop, steps_done, display=False)
         self._close_bar()
 
+    def on_error(self, loop: Loop, error: BaseException) -> None:
+        """The OnError hook: closes the bar, so that the error prints below it."""
+        del loop, error
+        self._running = False
+        self._close_bar()
+
     def _close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self._output.close()
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -334,6 +345,12 @@ def progress_bar(
     of the rate and the ETA. With `run_epochs` the total shows `?` until the first epoch
     ends, then the bar gets its total. Each run (a second `run_steps` too) gets a new bar.
     It refreshes at most once every `refresh_seconds`. Only process 0 shows it.
+
+    Whatever is printed while the bar is shown (a `print` in a hook, a warning, a logged
+    line, loopax's own messages) goes on its own line above the bar, which is drawn again
+    below it: while the bar is open `sys.stdout`, `sys.stderr` and the logging handlers
+    writing to them pass through it (a partial line waits for its newline). They are
+    restored when the bar closes: at the end of the run, or when the run raises.
 
     The metrics shown are those of the newest step that finished on the device: a refresh
     never waits for the steps in flight (with `steps_per_execution=32`, a whole group), so
@@ -394,4 +411,5 @@ def progress_bar(
             when=ClockSchedule(refresh_seconds, clock, fire_first=True),
         )
         loop.on_end("progress_bar", progress.on_end, priority=priority, check_finite=False)
+        loop.on_error("progress_bar", progress.on_error, priority=priority)
     return progress

@@ -167,7 +167,8 @@ class FiniteChecker:
                 raise self.failure
         step = window[-1][0]
         self.failure = NonFiniteLossError(
-            f"the moving average of the loss is {average} at step {step} although every loss "
+            f"the moving average of the loss is {average} at step {step} (global step "
+            f"{step + 1}) although every loss "
             "was finite: the losses are too large for float32; scale the loss down",
             step,
         )

@@ -63,15 +63,41 @@ class Priority(enum.IntEnum):
 class HookError(RuntimeError):
     """A hook raised: the message names the phase, the hook and the step.
 
-    The original exception is chained as `__cause__`.
+    The step is the `loop.loop_step` the hook saw. Where the trainer's `global_step` (the
+    number checkpoints, logs and the progress bar show) differs, as in an OnStep hook
+    (after loop step k the global step is k + 1), both are named: `OnStep hook 'check'
+    failed at step 1129 (global step 1130): ...`. The original exception is chained as
+    `__cause__`.
+
+    Args:
+      phase: the hook's phase, e.g. `"OnStep"`.
+      hook_name: the name the hook was registered under.
+      step: the loop step.
+      error: what the hook raised.
+      global_step: the trainer's global step when the hook raised, or None if unknown.
+
+    Attributes:
+      phase, hook_name, step, global_step: as given.
     """
 
-    def __init__(self, phase: str, hook_name: str, step: int, error: BaseException):
+    def __init__(
+        self,
+        phase: str,
+        hook_name: str,
+        step: int,
+        error: BaseException,
+        *,
+        global_step: int | None = None,
+    ):
         self.phase = phase
         self.hook_name = hook_name
         self.step = step
+        self.global_step = global_step
+        where = f"step {step}"
+        if global_step is not None and global_step != step:
+            where += f" (global step {global_step})"
         super().__init__(
-            f"{phase} hook {hook_name!r} failed at step {step}: {type(error).__name__}: {error}"
+            f"{phase} hook {hook_name!r} failed at {where}: {type(error).__name__}: {error}"
         )
 
 

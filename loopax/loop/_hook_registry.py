@@ -38,6 +38,8 @@ class HookRegistry:
       run: where the run stands, for the schedules and for the step errors name.
       before: called with a hook registered with `check_finite` before it runs (the
         finite check, which may halt the phase).
+      trainer: has the `global_step` a hook's error names beside the loop step where they
+        differ.
 
     Attributes:
       halted: True while the run has gone back to an earlier step (a rollback): the
@@ -50,9 +52,16 @@ class HookRegistry:
       after_hooks: what `call_after_hooks` deferred, run by `run_after_hooks`.
     """
 
-    def __init__(self, owner: Any, run: RunInfo, before: Callable[[Hook], None]) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        run: RunInfo,
+        before: Callable[[Hook], None],
+        trainer: Any,
+    ) -> None:
         self._owner = owner
         self._run = run
+        self._trainer = trainer
         self._before = before
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
@@ -189,6 +198,9 @@ class HookRegistry:
 
     # -- dispatch -------------------------------------------------------------------------
 
+    def _error(self, phase: str, name: str, step: int, err: Exception) -> HookError:
+        return HookError(phase, name, step, err, global_step=self._trainer.global_step)
+
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
             self._before(hook)
@@ -199,7 +211,7 @@ class HookRegistry:
         except NonFiniteLossError:
             raise
         except Exception as err:
-            raise HookError(hook.phase, hook.name, self._run.loop_step, err) from err
+            raise self._error(hook.phase, hook.name, self._run.loop_step, err) from err
 
     def _visit(self, hook: Hook, argument: Any, step: int) -> None:
         """Calls `hook` if its schedule (if any) fires at `step`."""
@@ -240,7 +252,7 @@ class HookRegistry:
                     except NonFiniteLossError:
                         raise
                     except Exception as err:
-                        raise HookError(hook.phase, hook.name, step, err) from err
+                        raise self._error(hook.phase, hook.name, step, err) from err
                 else:
                     self._visit(hook, metrics, step)
 
@@ -257,7 +269,7 @@ class HookRegistry:
             try:
                 waiter = hook.fn(self._owner, None)
             except Exception as err:
-                raise HookError("OnFlush", hook.name, self._run.loop_step, err) from err
+                raise self._error("OnFlush", hook.name, self._run.loop_step, err) from err
             if callable(waiter):
                 waiters.append(waiter)
 

@@ -120,7 +120,7 @@ class Loop:
         )
         self.checkpointed_step: int | None = None
         # Before a hook registered with `check_finite`: the check (which may roll back).
-        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite())
+        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite(), trainer)
         self._loop_metrics = LoopMetrics(
             trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
         )

@@ -431,8 +431,8 @@ class Runner:
                     raise
                 except Exception as err:
                     raise RuntimeError(
-                        f"dataset {shown_name(dataset)!r} failed at step "
-                        f"{first}: {type(err).__name__}: {err}"
+                        f"dataset {shown_name(dataset)!r} failed at step {first} (global "
+                        f"step {first + 1}): {type(err).__name__}: {err}"
                     ) from err
                 if one_step:
                     metrics, _ = run(dispatches[0])

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ._weights import (
     check_same_shape,
     compute_dtype,
+    extra_axes_message,
     reduce_loss,
     result_dtype,
     unpack,
@@ -231,8 +232,11 @@ def sparse_categorical_crossentropy_logits(
     if class_ids.shape == example_shape + (1,):
         class_ids = class_ids[..., 0]
     elif class_ids.shape != example_shape:
+        ids_shape = class_ids.shape[:-1] if class_ids.shape[-1:] == (1,) else class_ids.shape
+        expected = ids_shape + prediction.shape[-1:]  # one vector of logits per class id
         raise ValueError(
-            f"{loss_name}: labels shape {class_ids.shape} does not match logits shape "
+            extra_axes_message(loss_name, class_ids.shape, prediction.shape, expected)
+            or f"{loss_name}: labels shape {class_ids.shape} does not match logits shape "
             f"{prediction.shape}; expected {example_shape} or {example_shape + (1,)}"
         )
     log_probabilities = jax.nn.log_softmax(prediction.astype(compute_dtype(prediction)), axis=-1)

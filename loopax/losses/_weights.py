@@ -67,6 +67,38 @@ def result_dtype(predictions: Array) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
+def extra_axes_message(
+    loss_name: str,
+    labels_shape: tuple[int, ...],
+    predictions_shape: tuple[int, ...],
+    expected_shape: tuple[int, ...],
+) -> str | None:
+    """Why predictions have more axes than their labels call for, when that is the likely cause.
+
+    That is, the predictions are `expected_shape` (what the labels call for) with axes added
+    between the batch axis and the last one: `(64, 8, 10)` where `(64, 10)` fits labels
+    `(64,)`. A Dense layer acts on the last axis only, so a model given unflattened images
+    `(64, 8, 8)` keeps their rows. None when the shapes differ otherwise.
+    """
+    extra = len(predictions_shape) - len(expected_shape)
+    if (
+        len(expected_shape) < 2  # a batch axis and a last axis, at least
+        or extra < 1
+        or predictions_shape[0] != expected_shape[0]
+        or predictions_shape[-1] != expected_shape[-1]
+    ):
+        return None
+    axes = "an extra axis" if extra == 1 else f"{extra} extra axes"
+    return (
+        f"{loss_name}: the predictions have {axes}: shape {predictions_shape}, where labels "
+        f"of shape {labels_shape} call for {expected_shape}. The model likely kept an axis of "
+        "its inputs (a Dense layer acts on the last axis only, so images of shape (N, H, W) "
+        "give (N, H, units)): flatten the inputs, e.g. x.reshape(len(x), -1) before the "
+        "dataset or inputs[0].reshape(inputs[0].shape[0], -1) in the model, or pool the "
+        "extra axes away"
+    )
+
+
 def check_same_shape(loss_name: str, labels: Array, predictions: Array) -> None:
     """Raises ValueError unless labels and predictions have the same shape.
 
@@ -74,8 +106,10 @@ def check_same_shape(loss_name: str, labels: Array, predictions: Array) -> None:
     bug, so element-wise losses insist on equal shapes.
     """
     if labels.shape != predictions.shape:
+        message = extra_axes_message(loss_name, labels.shape, predictions.shape, labels.shape)
         raise ValueError(
-            f"{loss_name}: labels shape {labels.shape} differs from predictions shape "
+            message
+            or f"{loss_name}: labels shape {labels.shape} differs from predictions shape "
             f"{predictions.shape}; reshape one of them so they match"
         )
 

@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._context import ModelModule, check_predictions
 from ._state import from_plain, tree_paths
@@ -97,6 +98,36 @@ class LinenModel(_FlaxModel):
         return predictions, dict(new_state)
 
 
+def _off_explicit_meshes(pure: dict) -> dict:
+    """`pure` with every array whose type names a mesh with Explicit axes as a host copy.
+
+    A module built under `jax.set_mesh` of a mesh with Explicit axes (JAX's default) holds
+    arrays whose type carries that mesh: no program of the trainer's own mesh or devices
+    takes them. They are only the starting values, which a host copy keeps.
+
+    Raises:
+      ValueError: such an array spans several processes (no host holds it whole).
+    """
+
+    def plain(path: tuple[str, ...], leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        axis_types = jax.typeof(leaf).sharding.mesh.axis_types
+        if jax.sharding.AxisType.Explicit not in axis_types:
+            return leaf
+        if not leaf.is_fully_addressable:
+            raise ValueError(
+                f"the NNX module's variable {'/'.join(path)} was created sharded over a mesh with "
+                "Explicit axes that spans several processes; build the module with "
+                "nnx.use_eager_sharding(False) (annotations only: the Trainer places the "
+                "variables on its mesh)"
+            )
+        return np.asarray(leaf)
+
+    leaves = [plain(path, leaf) for path, leaf in tree_paths(pure)]
+    return jax.tree.unflatten(jax.tree.structure(pure), leaves)
+
+
 class NnxModel(_FlaxModel):
     """A `flax.nnx.Module` instance, called as `module(*inputs)`.
 
@@ -104,7 +135,8 @@ class NnxModel(_FlaxModel):
     are the model state (collection `"nnx"`), updated in train steps and averaged across
     devices; its `nnx.Rngs` streams are fresh in every step, derived from the trainer's
     key, the step and the device; train and eval steps run it in `train()` and `eval()`
-    mode. The values it holds when the Trainer is made are the starting point.
+    mode. The values it holds when the Trainer is made are the starting point, wherever
+    they live (a module built under a mesh holds them sharded on it).
     """
 
     def __init__(self, module: Any, annotate: bool = False):
@@ -120,8 +152,8 @@ class NnxModel(_FlaxModel):
         self._train_graph, params, rngs, rest = nnx.split(module, *self._filters)
         # Templates: the States are rebuilt from the trainer's plain dicts in every step.
         self._templates = (params, rngs, rest)
-        self._params = nnx.to_pure_dict(params)
-        self._rest = nnx.to_pure_dict(rest)
+        self._params = _off_explicit_meshes(nnx.to_pure_dict(params))
+        self._rest = _off_explicit_meshes(nnx.to_pure_dict(rest))
         self._rng_structure = nnx.to_pure_dict(rngs)
 
     def _filled(self, template: Any, pure: dict) -> Any:
@@ -152,7 +184,10 @@ class NnxModel(_FlaxModel):
         """`pure` with each variable annotated `nnx.with_partitioning` boxed by its names."""
         if not self._annotate:
             return pure
-        specs = self._nnx.to_pure_dict(self._nnx.get_partition_spec(template))
+        # The logical names as annotated: the Trainer's `rules` map them, not rules a
+        # `logical_axis_rules` context around the Trainer happens to hold.
+        with nn.logical_axis_rules(()):
+            specs = self._nnx.to_pure_dict(self._nnx.get_partition_spec(template))
         names = {path: tuple(spec) for path, spec in tree_paths(specs) if any(spec)}
         values = [
             nn.LogicallyPartitioned(value, names[path]) if path in names else value
@@ -234,11 +269,58 @@ def adapt(model: Any, axis_name: str | None, annotate: bool = False) -> Any:
     if is_nnx_module(model):
         return NnxModel(model, annotate)
     if callable(model):
+        check_model_fn(model)
         return ModelModule(model_fn=model, axis_name=axis_name, annotate=annotate)
     raise TypeError(
         f"the model must be a model function model_fn(ctx, spec, inputs), a flax.linen.Module "
         f"or a flax.nnx.Module, got {type(model).__name__}"
     )
+
+
+def _module_class(model: Any) -> str | None:
+    """`"flax.linen"` or `"flax.nnx"` when `model` is a module class rather than an instance."""
+    if not isinstance(model, type):
+        return None
+    if issubclass(model, nn.Module):
+        return "flax.linen"
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and issubclass(model, nnx.Module):
+        return "flax.nnx"
+    return None
+
+
+def check_model_fn(model_fn: Any) -> None:
+    """Checks that a callable can be called as a model function, `model_fn(ctx, spec, inputs)`.
+
+    A callable whose signature Python cannot read (some built-in or C callables) passes:
+    only its first call can tell.
+
+    Raises:
+      TypeError: `model_fn` is a Flax module class (not an instance), or its signature
+        cannot take the three arguments (a Keras-style `model(inputs)`), naming it.
+    """
+    name = getattr(model_fn, "__name__", None) or type(model_fn).__name__
+    kind = _module_class(model_fn)
+    if kind is not None:
+        raise TypeError(
+            f"the model is the {kind} module class {name}, not a module: pass an instance, "
+            f"loopax.Trainer({name}(...), ...)"
+        )
+    try:
+        signature = inspect.signature(model_fn)
+    except (TypeError, ValueError):  # no signature to read: the first call will tell
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"the model function {name}{signature} cannot be called as loopax calls a model "
+            f"function, model_fn(ctx, spec, inputs) ({err}): ctx is the loopax.Context "
+            "(ctx.training, ctx.make_rng(), ...), spec the batch's spec (often None) and "
+            f"inputs the list of input arrays; write e.g. `def {name}(ctx, spec, inputs): "
+            "x = inputs[0] ...`, or pass a flax.linen.Module or flax.nnx.Module instance, "
+            "which loopax calls as module(*inputs)"
+        ) from None
 
 
 _NNX_RNGS_FIX = (

@@ -30,6 +30,7 @@ from ._summary import parameter_summary
 from ._trainer_args import (
     check_callables,
     check_ema_decay,
+    check_mesh_context,
     checked,
     step_config,
 )
@@ -91,11 +92,11 @@ class Trainer:
       log_grad_norm: add train metrics `"grad_norm"` and `"update_norm"` (global L2 norms).
 
     Raises:
-      TypeError: the model is none of the above, loss_fn not callable, optimizer not an
-        optax transformation, or a metric not following the Metric protocol.
-      ValueError: duplicate metric names, an argument out of its range (naming it); at
-        the first step, a model with no trainable parameters, `init_params` not fitting
-        the model (naming the first differing entry and both shapes), an unmatched rule.
+      TypeError: the model is none of the above (e.g. `model(inputs)`), loss_fn not callable,
+        optimizer not an optax transformation, or a metric not following the Metric protocol.
+      ValueError: duplicate metric names, an argument out of range (naming it), a mesh context
+        other than its mesh; at the first step: no trainable parameters, `init_params` not
+        fitting the model (naming the first differing entry and both shapes), an unmatched rule.
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -133,6 +134,7 @@ class Trainer:
         log_grad_norm: bool = False,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
+        check_mesh_context(strategy.mesh)
         adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
         check_callables(loss_fn, optimizer)
         self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from .._devices import AXIS
@@ -143,3 +144,25 @@ def check_ema_decay(ema_decay: Any) -> float | None:
             f"to average over ~1000 steps); got {ema_decay}"
         )
     return float(ema_decay)
+
+
+def check_mesh_context(mesh: Any) -> None:
+    """Refuses a mesh context (`jax.set_mesh`) around the Trainer other than its own mesh.
+
+    Its programs run on `mesh`; under another context mesh JAX refuses them at the first
+    step, with a message that names neither. Building an NNX module under the mesh, as
+    Flax's guides do, is fine: the Trainer is then made after the `with` block.
+
+    Raises:
+      ValueError: the context mesh is not the Trainer's.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or context == mesh.abstract_mesh:
+        return
+    raise ValueError(
+        f"the Trainer is made inside a mesh context (jax.set_mesh or "
+        f"jax.sharding.use_mesh) of {context}, under which its programs cannot run: they "
+        f"run on the Trainer's own mesh {dict(mesh.shape)}. Make and run the Trainer after "
+        "the `with` block (build only the model inside it), passing mesh= (a dict of axis "
+        "sizes, or a Mesh with Auto axes) for a sharded Trainer"
+    )

@@ -341,7 +341,8 @@ def test_an_element_that_is_not_a_batch_names_the_dataset_and_the_forms(trainer,
         loopax.Loop(trainer).run_steps([element], 1)
     message = str(raised.value)
     assert (
-        f"dataset 'train' failed at step 0: ValueError: dataset 'train' yielded {what}" in message
+        f"dataset 'train' failed at step 0 (global step 1): ValueError: dataset 'train' "
+        f"yielded {what}" in message
     )
     assert "(inputs, labels), (spec, inputs, labels) or a dict {'inputs': ..." in message
     assert isinstance(raised.value.__cause__, ValueError)

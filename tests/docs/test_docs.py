@@ -10,6 +10,7 @@ started page shows the README's workflow, the notebook holds its outputs, and `m
 --strict` passes where the docs extra is installed.
 """
 
+import html
 import importlib
 import importlib.util
 import io
@@ -164,6 +165,33 @@ def test_the_notebook_is_stored_executed():
     assert "\r" not in bar and bar.count("\n") <= 1 and "500" in bar, bar
 
 
+def site_config():
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+
+def signature_options(config):
+    plugin = next(p for p in config["plugins"] if isinstance(p, dict) and "mkdocstrings" in p)
+    return plugin["mkdocstrings"]["handlers"]["python"]["options"]
+
+
+def test_the_site_formats_signatures_and_loads_no_web_font():
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["docs"]
+    names = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower() for requirement in extra}
+    # mkdocstrings formats a signature into lines only when Black or Ruff is installed:
+    # without one, a long signature is one line cut at the box's edge.
+    assert names & {"ruff", "black"}, sorted(names)
+    config = site_config()
+    options = signature_options(config)
+    assert options["separate_signature"] is True and isinstance(options["line_length"], int)
+    # Material's default loads Roboto from Google's servers on every page.
+    assert config["theme"]["font"] is False
+
+
 DOCS_EXTRA = (
     "mkdocs",
     "material",
@@ -189,3 +217,23 @@ def test_the_site_builds_strictly(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "api" / "hooks" / "index.html").exists()
+    pages = {page: page.read_text() for page in tmp_path.rglob("*.html")}
+    web_fonts = [str(p) for p, text in pages.items() if re.search(r"fonts\.g\w+\.com", text)]
+    assert not web_fonts, web_fonts
+    # Every API signature is laid out in lines that fit the box: none is cut.
+    line_length = signature_options(site_config())["line_length"]
+    signatures = [
+        html.unescape(re.sub(r"<[^>]+>", "", block))
+        for page, text in pages.items()
+        if "api" in page.parts
+        for block in re.findall(
+            r'<div class="doc-signature highlight"><pre><span></span><code>(.*?)</code>',
+            text,
+            re.S,
+        )
+    ]
+    assert len(signatures) > 100
+    too_long = [line for s in signatures for line in s.splitlines() if len(line) > line_length]
+    assert not too_long, too_long
+    progress_bar = next(s for s in signatures if s.startswith("progress_bar("))
+    assert "\n    refresh_seconds: float = 0.2,\n" in progress_bar, progress_bar

@@ -59,6 +59,34 @@ def test_digits_trains_resumes_and_reports(tmp_path):
     assert any((tmp_path / "plots").glob("*.png"))
 
 
+def test_digits_run_again_after_early_stopping_says_it_ended_and_reports_the_same(
+    zygote_server, tmp_path
+):
+    pytest.importorskip("sklearn")
+    # A learning rate of 0 keeps the validation loss the same at every evaluation: early
+    # stopping (patience 5, an evaluation every 100 steps) stops at step 600 on any machine.
+    args = [str(EXAMPLES / "digits.py"), "--learning-rate", "0", "--dir", str(tmp_path)]
+    first = _run([*args, "--no-progress"], cwd=tmp_path, zygote=zygote_server)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "; stopped at step 600\n" in first.stdout, first.stdout[-2000:]
+    again = _run([*args, "--no-progress"], cwd=tmp_path, zygote=zygote_server)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Warning" not in again.stderr, again.stderr[-3000:]  # no RuntimeWarning: reset()
+    lines = again.stdout.splitlines()
+    assert lines[:3] == [
+        f"resumed from step 600 in {tmp_path}",
+        "early_stopping(eval/val/mean_loss): this training already ended: stopped early at "
+        "step 600 (eval/val/mean_loss did not improve on "
+        + first.stdout.split("did not improve on ")[1].split(" (step 100)")[0]
+        + " (step 100) in 5 checks); best step 100. Nothing is trained (reset() on the hook "
+        "trains on)",
+        "early_stopping(eval/val/mean_loss): restored the parameters of step 100",
+    ], again.stdout
+    # Then it reports what the first run reported: the best step's parameters.
+    report = first.stdout[first.stdout.index("Results on train:") :]
+    assert again.stdout.endswith(report), (first.stdout, again.stdout)
+
+
 def test_digits_on_four_simulated_devices(zygote_server, tmp_path):
     pytest.importorskip("sklearn")
     result = _run(

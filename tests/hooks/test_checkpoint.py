@@ -257,6 +257,32 @@ def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_ste
     assert checkpointer.all_steps() == [best_step, 5]
 
 
+@pytest.mark.parametrize("best_mode", ["min", "max"])
+def test_of_equal_best_values_the_first_step_is_kept(trainer, tmp_path, best_mode):
+    # As early stopping counts only a strict improvement: its best step is the first of
+    # equal values (an accuracy on a small validation set ties often).
+    sign = 1.0 if best_mode == "min" else -1.0
+    values = {1: 3.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 2.0}  # by global step, sign applied
+
+    def fake_evaluation(loop, metrics):
+        step = trainer.global_step
+        loop.history.record(step, {"eval/test/mean_loss": sign * values[step]})
+
+    loop = loopax.Loop(trainer)
+    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
+    checkpointer = hooks.checkpoint(
+        loop,
+        tmp_path,
+        every_n_steps=1,
+        keep=1,
+        best_metric="eval/test/mean_loss",
+        best_mode=best_mode,
+    )
+    loop.run_steps(make_dataset(), 5)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [2, 5] and checkpointer.best_step() == 2
+
+
 def test_keeps_the_best_by_a_train_metric(trainer, tmp_path):
     loop = loopax.Loop(trainer)
     losses = {}

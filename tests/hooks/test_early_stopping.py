@@ -506,7 +506,7 @@ def test_a_resumed_run_continues_the_patience_count(trainer, tmp_path, checkpoin
     assert restarted.restored_step is None
 
 
-def test_a_resumed_process_after_a_stop_trains_no_further(trainer, tmp_path, compiled):
+def test_a_resumed_process_after_a_stop_trains_no_further(trainer, tmp_path, compiled, capsys):
     loop = loopax.Loop(trainer)
     hooks.checkpoint(loop, tmp_path)
     hooks.evaluate(loop, ScriptedEval([1.0, 0.5, 0.75, 0.75]), every_n_steps=2)
@@ -519,16 +519,23 @@ def test_a_resumed_process_after_a_stop_trains_no_further(trainer, tmp_path, com
     hooks.checkpoint(resumed, tmp_path)
     hooks.evaluate(resumed, ScriptedEval([0.75]), every_n_steps=2)
     restarted = hooks.early_stopping(resumed, MONITOR, patience=2)
+    capsys.readouterr()
     with pytest.warns(RuntimeWarning) as warned:
         resumed.run_to_step(train_data(), 20)
     assert trainer.global_step == 8 and restarted.stopped_step == 8
-    messages = [str(w.message) for w in warned]
-    assert any("stopped this training at step 8" in m for m in messages)
-    assert any("before the training last resumed" in m for m in messages)
+    # The training ended in the first process: said in one line, not as a warning.
+    assert "this training already ended: stopped early at step 8 (" in capsys.readouterr().out
+    # What is warned: no checkpoint keeps the best parameters, so they cannot come back.
+    assert [str(w.message) for w in warned] == [
+        f"early_stopping({MONITOR}): the best {MONITOR} (0.5) was at step 4, before the "
+        "training last resumed from a checkpoint, so those parameters are not in memory and "
+        "the trainer keeps those of step 8. To get them back, attach hooks.checkpoint(loop, "
+        f"directory, best_metric='{MONITOR}', best_mode='min') and call its restore_best()"
+    ]
 
 
-def test_a_rerun_of_a_finished_run_restores_the_best_from_the_checkpoint(
-    trainer, tmp_path, compiled
+def test_a_rerun_of_a_finished_run_says_it_ended_and_restores_the_best_from_the_checkpoint(
+    trainer, tmp_path, compiled, capsys
 ):
     def attach(loop, values):
         hooks.checkpoint(loop, tmp_path, every_n_steps=2, best_metric=MONITOR)  # keeps the best
@@ -546,11 +553,18 @@ def test_a_rerun_of_a_finished_run_restores_the_best_from_the_checkpoint(
     trainer.state = jax.tree.map(np.array, compiled[1])  # as a fresh process would start
     resumed = loopax.Loop(trainer)
     restarted = attach(resumed, [0.75])
-    with pytest.warns(RuntimeWarning, match="stopped this training at step 8") as warned:
-        resumed.run_to_step(train_data(), 20)
-    # The best parameters (step 4) come back from the checkpoint the hook kept: the rerun
-    # reports what the first run reported.
-    assert restarted.restored_step == 4 and len(warned) == 1
+    capsys.readouterr()
+    resumed.run_to_step(train_data(), 20)  # no warning: any would fail the test
+    # One plain line says the training ended (why, where, the best step); the best
+    # parameters (step 4) come back from the checkpoint the hook kept: the rerun reports
+    # what the first run reported.
+    assert capsys.readouterr().out.splitlines() == [
+        f"early_stopping({MONITOR}): this training already ended: stopped early at step 8 "
+        f"({MONITOR} did not improve on 0.5 (step 4) in 2 checks); best step 4. Nothing is "
+        "trained (reset() on the hook trains on)",
+        f"early_stopping({MONITOR}): restored the parameters of step 4",
+    ]
+    assert restarted.restored_step == 4 and trainer.global_step == 8
     assert_trees_equal(best[0], trainer.params)
     assert_trees_equal(best[1], trainer.state.model_state)
 

@@ -104,18 +104,22 @@ def test_the_accuracy_axis_focuses_on_the_eval_curves(tmp_path):
     assert bottom <= min(loss_values) and top >= max(loss_values)
 
 
-def assert_best_marked(figures, metric_type, key, best_step, best_value):
+def assert_best_marked(figures, metric_type, key, best_step, best_value, mode="min"):
     for this_type, figure in figures.items():
         vertical, star = best_lines(figure)
         assert list(vertical.get_xdata()) == [best_step, best_step]
-        assert vertical.get_label().startswith(f"best {key} ")
-        assert vertical.get_label().endswith(f"(step {best_step})")
         if this_type == metric_type:
+            assert vertical.get_label().startswith(f"best {key} ")
+            assert vertical.get_label().endswith(f"(step {best_step})")
             assert star is not None
             assert (list(star.get_xdata()), list(star.get_ydata())) == ([best_step], [best_value])
             series = series_lines(figure)[key]
             assert to_hex(star.get_markerfacecolor()) == to_hex(series.get_color())
         else:
+            # Another metric's axes: the step and what chose it, never the other's value
+            # (a loss in the accuracy figure).
+            chosen_by = "lowest" if mode == "min" else "highest"
+            assert vertical.get_label() == f"best step {best_step} ({chosen_by} {key})"
             assert star is None
 
 
@@ -140,8 +144,11 @@ def test_early_stoppings_monitor_is_marked_at_its_best_step(tmp_path):
     assert stopper.best_step is not None and stopper.best == values[stopper.best_step]
     assert max(values.values()) == stopper.best
     figures = plotter.figures()
-    assert_best_marked(figures, "accuracy", "eval/b/Accuracy", stopper.best_step, stopper.best)
-    assert "(step" in figures["loss"].axes[0].get_legend().get_texts()[-1].get_text()
+    assert_best_marked(
+        figures, "accuracy", "eval/b/Accuracy", stopper.best_step, stopper.best, mode="max"
+    )
+    legend = figures["loss"].axes[0].get_legend().get_texts()[-1].get_text()
+    assert legend == f"best step {stopper.best_step} (highest eval/b/Accuracy)"
 
 
 def test_a_checkpoints_best_metric_comes_before_early_stoppings_monitor(tmp_path):

@@ -345,3 +345,137 @@ def test_with_fused_steps_the_bar_shows_the_newest_finished_step_and_never_waits
     assert seen[63][2].startswith("step 64 of 96 [") and seen[63][2].endswith("] " + first_text)
     # At the end the loop waited for every step: the bar shows the last one's.
     assert progress.shown_step == 96 and progress.shown_metrics == loop.host_metrics()
+
+
+def terminal_screen(output):
+    """The lines a terminal shows after `output`: carriage returns overwrite, as on screen.
+
+    Only what tqdm and Python write to a terminal is understood (carriage return, newline,
+    cursor up, erase to the end of the line); anything else fails the test. A line longer
+    than the terminal stays one line (a terminal would wrap it).
+    """
+    screen, row, column = [[]], 0, 0
+    position = 0
+    while position < len(output):
+        char = output[position]
+        position += 1
+        if char == "\x1b":
+            match = re.match(r"\[(\d*)([A-Za-z])", output[position:])
+            assert match and match.group(2) in "AK", repr(output[position - 1 : position + 9])
+            position += match.end()
+            if match.group(2) == "A":
+                row = max(0, row - int(match.group(1) or 1))
+            else:
+                del screen[row][column:]
+        elif char == "\r":
+            column = 0
+        elif char == "\n":
+            row += 1
+            if row == len(screen):
+                screen.append([])
+        else:
+            line = screen[row]
+            line.extend(" " * (column + 1 - len(line)))
+            line[column] = char
+            column += 1
+    return ["".join(line).rstrip() for line in screen]
+
+
+PRINTING_SCRIPT = textwrap.dedent("""
+    import logging, sys, warnings
+    sys.path.insert(0, {helpers!r})
+    from observability_helpers import make_data, new_trainer
+    import loopax
+    from loopax import hooks
+
+    # Configured before the bar: this handler holds the real sys.stderr.
+    logging.basicConfig(level=logging.INFO, format="log: %(message)s")
+    now = [0.0]
+    loop = loopax.Loop(new_trainer())
+    hooks.progress_bar(loop, refresh_seconds=0, clock=lambda: now[0])
+    hooks.evaluate(loop, [make_data("val", 2)], every_n_steps=4)
+    # Never improves by 1e9: stops at its second check, and says so (print and log).
+    hooks.early_stopping(loop, "eval/val/mean_loss", patience=1, min_delta=1e9)
+
+    def user_hook(loop, metrics):
+        now[0] += 0.5
+        loop.host_metrics()  # the step has finished when the bar, which never waits, reads it
+        step = loop.loop_step
+        if step == 2:
+            print("a user's print at step", step)
+        elif step == 3:
+            print("a user's line on stderr", file=sys.stderr)
+        elif step == 4:
+            warnings.warn("a user's warning")
+        elif step == 5:
+            print("a line in", end="", flush=True)
+            print(" two writes")
+
+    loop.on_step("user", user_hook)
+    loop.run_steps(make_data(loop_forever=True), 20)
+    print("DONE", flush=True)
+""")
+
+
+def test_a_line_printed_while_the_bar_is_shown_gets_its_own_line_above_the_bar():
+    columns = 120
+    returncode, output = run_in_terminal(PRINTING_SCRIPT.format(helpers=HELPERS), columns=columns)
+    assert returncode == 0, output[-3000:]
+    screen = [line for line in terminal_screen(output) if line]
+    printed = [
+        "a user's print at step 2",
+        "a user's line on stderr",
+        "a line in two writes",
+        "early stopping: eval/val/mean_loss did not improve on",  # loopax's print
+        "log: early stopping: eval/val/mean_loss did not improve on",  # and its log line
+    ]
+    for text in printed:
+        lines = [line for line in screen if line.startswith(text)]
+        assert len(lines) == 1, f"{text!r} is not alone on a line:\n" + "\n".join(screen)
+    warning = [line for line in screen if "UserWarning: a user's warning" in line]
+    assert len(warning) == 1 and warning[0].endswith("UserWarning: a user's warning"), screen
+    # Every bar drawn above a printed line was cleared from it and drawn again below: the
+    # only bar left on screen is the final one, after every printed line.
+    bars = [index for index, line in enumerate(screen) if re.search(r"step \d+ of 20", line)]
+    assert len(bars) == 1, "\n".join(screen)
+    assert re.match(r"^\s*\d+%\|.*\| step 8 of 20 ", screen[bars[0]]), screen[bars[0]]
+    assert screen[bars[0] + 1 :] == ["DONE"], screen
+
+
+def test_the_streams_come_back_when_the_bar_closes_also_when_the_run_raises(monkeypatch):
+    import logging
+
+    stdout, stderr, bar_output = io.StringIO(), io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    handler = logging.StreamHandler(stderr)
+    logger = logging.getLogger("loopax.test_progress")
+    logger.addHandler(handler)
+    loop = loopax.Loop(make_trainer())
+    progress = hooks.progress_bar(loop, refresh_seconds=0, file=bar_output, lines=False)
+    fail_at = [None]
+    seen_while_open = []
+
+    def print_then_fail(loop, metrics):
+        seen_while_open.append((sys.stdout is stdout, handler.stream is stderr))
+        print(f"<{loop.loop_step}>", end="")  # a partial line: it waits for the bar to close
+        if loop.loop_step == fail_at[0]:
+            raise RuntimeError("the hook failed")
+
+    loop.on_step("printing", print_then_fail)
+    try:
+        loop.run_steps(make_data(loop_forever=True), 2)
+        assert sys.stdout is stdout and sys.stderr is stderr and handler.stream is stderr
+        fail_at[0] = 3
+        with pytest.raises(loopax.HookError, match="the hook failed"):
+            loop.run_steps(make_data(loop_forever=True), 5)
+        # The bar closed, and every stream is the one it replaced, the handler's too.
+        assert progress.bar is None
+        assert sys.stdout is stdout and sys.stderr is stderr and handler.stream is stderr
+    finally:
+        logger.removeHandler(handler)
+    # While the bar was open, the streams went through it.
+    assert seen_while_open == [(False, False)] * 4  # loop steps 0, 1, then 2, 3
+    # The partial lines came when each bar closed, none of them on a bar's line.
+    assert stdout.getvalue() == "<0><1><2><3>"
+    assert "<" not in bar_output.getvalue() and stderr.getvalue() == ""

@@ -419,6 +419,33 @@ def test_a_failing_hook_raises_hook_error_naming_phase_hook_and_step(loop, phase
     assert isinstance(error, RuntimeError)
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_hook_error_names_the_global_step_the_hook_saw_beside_the_loop_step(
+    trainer, steps_per_execution
+):
+    loop = loopax.Loop(trainer, steps_per_execution=steps_per_execution)
+
+    def fails_at_global_step_8(loop, metrics):
+        if loop.trainer.global_step == 8:
+            raise ValueError("checked at global step 8")
+
+    loop.on_step("check", fails_at_global_step_8, when=loopax.hooks.EveryNSteps(4))
+    with pytest.raises(loopax.HookError) as info:
+        loop.run_steps(make_dataset(1), 12)
+    # The hook ran after loop step 7, which made the global step 8: both are named.
+    assert str(info.value).startswith(
+        "OnStep hook 'check' failed at step 7 (global step 8): ValueError: checked at"
+    )
+    assert (info.value.step, info.value.global_step) == (7, 8)
+    # At the end of a run the loop step is the global step: one number.
+    loop = loopax.Loop(trainer)
+    loop.on_end("at the end", lambda loop, metrics: 1 / 0)
+    with pytest.raises(loopax.HookError) as info:
+        loop.run_steps(make_dataset(1), 2)
+    assert str(info.value).startswith("OnEnd hook 'at the end' failed at step 10: Zero")
+    assert (info.value.step, info.value.global_step) == (10, 10)
+
+
 # -- step durations -------------------------------------------------------------------------
 
 

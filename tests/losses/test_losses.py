@@ -268,6 +268,43 @@ def test_shape_mismatch_raises(case):
         loss_fn([y[..., :1]], [p])
 
 
+def test_unflattened_images_are_named_as_an_extra_axis_of_the_predictions():
+    import flax.linen as nn
+
+    import loopax
+
+    def model_fn(ctx, spec, inputs):  # Dense acts on the last axis: rows stay
+        return nn.Dense(10)(inputs[0])
+
+    images = np.zeros((64, 8, 8), np.float32)  # the digits, not flattened to (64, 64)
+    class_ids = np.zeros((64,), np.int32)
+    trainer = loopax.Trainer(
+        model_fn,
+        losses.sparse_categorical_crossentropy_logits,
+        loopax.optimizers.sgd(0.1),
+        devices=jax.devices()[:1],
+    )
+    with pytest.raises(ValueError) as raised:
+        trainer.train_step(None, [images], [class_ids])
+    message = str(raised.value)
+    assert "the predictions have an extra axis: shape (64, 8, 10), where labels of shape " in (
+        message
+    )
+    assert "(64,) call for (64, 10)" in message and "flatten the inputs" in message
+    assert "does not match" not in message  # the old message, which blamed the labels
+    # Class ids with a trailing axis of 1, one-hot labels and element-wise losses alike.
+    logits = jnp.zeros((64, 8, 10))
+    with pytest.raises(ValueError, match=r"\(64, 1\) call for \(64, 10\)\. The model likely"):
+        losses.sparse_categorical_crossentropy_logits([class_ids[:, None]], [logits])
+    with pytest.raises(ValueError, match=r"have an extra axis: shape \(64, 8, 10\), where"):
+        losses.categorical_crossentropy_logits([jnp.zeros((64, 10))], [logits])
+    with pytest.raises(ValueError, match=r"have 2 extra axes: shape \(64, 8, 8, 1\), where"):
+        losses.mean_squared_error([jnp.zeros((64, 1))], [jnp.zeros((64, 8, 8, 1))])
+    # Shapes that differ otherwise keep the message that names both.
+    with pytest.raises(ValueError, match=r"labels shape \(64, 3\) does not match logits"):
+        losses.sparse_categorical_crossentropy_logits([np.zeros((64, 3), np.int32)], [logits])
+
+
 # ---------------------------------------------------------------------------------------
 # Numerical stability and dtypes.
 

@@ -92,6 +92,54 @@ def test_every_mesh_trains_as_one_device_with_dropout(kind):
     assert trainer.parallel == "mesh" and trainer.mesh.shape == {"data": 1, "model": 4}
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_an_nnx_module_built_under_a_mesh_trains_as_one_device(axis_type):
+    # As Flax's guides build one: annotations sharded eagerly on a mesh (JAX's default
+    # axes are Explicit), the logical names mapped by rules in a context.
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2
+    )
+
+    def built_under_the_mesh():
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+            model = NnxModel()
+        assert model.hidden.kernel[...].sharding.spec == P(None, "model")  # created sharded
+        return model
+
+    one = loopax.Trainer(make_model("nnx"), mse, optax.adam(0.05), devices=jax.devices()[:1])
+    expected = losses(one)
+    sharded = trainer_on({"data": 2, "model": 2}, built_under_the_mesh(), rules=RULES)
+    np.testing.assert_allclose(losses(sharded), expected, atol=1e-5)
+    assert sharded.params["hidden"]["kernel"].sharding.spec == P(None, "model")
+    for devices in (1, 4):  # data parallel too: the values are only where training starts
+
+        def data_parallel(model, devices=devices):
+            return loopax.Trainer(model, mse, optax.adam(0.05), devices=jax.devices()[:devices])
+
+        # Against the module built without a mesh (4 devices draw dropout masks per device).
+        reference = losses(data_parallel(make_model("nnx")))
+        trainer = data_parallel(built_under_the_mesh())
+        np.testing.assert_allclose(losses(trainer), reference, atol=1e-5, err_msg=str(devices))
+    # A rules context still open around the Trainer: its own rules map the names.
+    with nnx.logical_axis_rules(RULES):
+        trainer = trainer_on({"data": 2, "model": 2}, make_model("nnx"), rules=RULES)
+        np.testing.assert_allclose(losses(trainer), expected, atol=1e-5)
+
+
+def test_a_trainer_made_inside_a_mesh_context_not_its_own_is_refused():
+    explicit = jax.make_mesh((2, 2), ("data", "model"))
+    with jax.set_mesh(explicit):
+        with pytest.raises(ValueError, match=r"made inside a mesh context .* after the `with`"):
+            loopax.Trainer(make_model("nnx"), mse, optax.adam(0.05), devices=jax.devices()[:1])
+        with pytest.raises(ValueError, match=r"Trainer's own mesh \{'data': 2, 'model': 2\}"):
+            trainer_on({"data": 2, "model": 2}, make_model("nnx"), rules=RULES)
+    # Inside its own mesh (Auto axes, as the Trainer's) it trains.
+    auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        trainer = trainer_on({"data": 2, "model": 2}, make_model("nnx"), rules=RULES)
+        assert np.isfinite(losses(trainer, steps=2)).all()
+
+
 def test_dropout_is_on_in_train_steps_and_off_in_evaluation():
     # the same masks on every mesh (above) are real masks: the first train step's loss,
     # with dropout, differs from the evaluation of the same initial parameters

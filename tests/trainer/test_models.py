@@ -1,6 +1,7 @@
 """Any model in: a model function, a Flax Linen module or a Flax NNX module, trained alike on
 1 and 4 simulated devices, checkpointed and resumed exactly; init_params; no parameters."""
 
+import functools
 from pathlib import Path
 
 import flax.linen as nn
@@ -267,6 +268,46 @@ def test_a_model_without_trainable_parameters_is_an_error_at_its_first_step():
 def test_what_is_not_a_model_is_refused():
     with pytest.raises(TypeError, match="the model must be a model function .* got int"):
         make_trainer(3)
+
+
+def test_a_keras_style_model_function_is_refused_at_construction_naming_the_signature():
+    def model(inputs):  # Keras's habit: the inputs only
+        return nn.Dense(10)(inputs)
+
+    def two_arguments(ctx, inputs):
+        return nn.Dense(10)(inputs[0])
+
+    for wrong, shown in [(model, "model(inputs)"), (two_arguments, "two_arguments(ctx, inputs)")]:
+        with pytest.raises(TypeError) as raised:
+            make_trainer(wrong)
+        message = str(raised.value)
+        assert f"the model function {shown} cannot be called" in message, message
+        assert "model_fn(ctx, spec, inputs)" in message and "too many positional" in message
+        assert f"def {wrong.__name__}(ctx, spec, inputs): x = inputs[0]" in message
+    # A module class where an instance belongs.
+    with pytest.raises(TypeError, match=r"the flax.linen module class LinenMLP, not a module: "):
+        make_trainer(LinenMLP)
+    with pytest.raises(TypeError, match=r"loopax.Trainer\(NnxMLP\(...\), ...\)"):
+        make_trainer(NnxMLP)
+
+
+def test_model_functions_of_every_form_that_takes_three_arguments_still_train():
+    class Unreadable:  # a callable whose signature Python cannot read: its first call tells
+        __signature__ = "not a signature"
+
+        def __call__(self, ctx, spec, inputs):
+            return nn.Dense(10)(inputs[0])
+
+    def with_extras(ctx, spec, inputs, scale=1.0, *rest, **options):
+        return nn.Dense(10)(inputs[0] * scale)
+
+    def positional(*args):
+        return nn.Dense(10)(args[2][0])
+
+    for model in (Unreadable(), with_extras, positional, functools.partial(with_extras, scale=2)):
+        trainer = make_trainer(model)
+        metrics = trainer.train_step(None, [X[:8]], [Y[:8]])
+        assert np.isfinite(float(metrics["loss"])) and trainer.global_step == 1
 
 
 def test_model_errors_name_the_model_and_shapes_and_the_nnx_rngs_fix():

@@ -88,7 +88,8 @@ def checkpoint(
         saving step, from `hooks.evaluate`). A save without the value counts only for
         `keep` and `keep_period`.
       best_mode: `"min"` or `"max"`: whether lower or higher `best_metric` is better.
-      keep_best: how many of the best checkpoints to keep.
+      keep_best: how many of the best checkpoints to keep; of equal values the earliest
+        steps (the first to reach a value is its best step, as for early stopping).
       keep_period: keep every checkpoint whose step is a multiple of this, forever.
       restore: True or `"latest"` restores the newest good checkpoint now; False or
         `"never"` does not (and starts fresh even beside damaged checkpoints).

@@ -278,6 +278,22 @@ def read_metric_values(manager: Any, ocp: Any, metric: str) -> dict[int, float]:
     return values
 
 
+class _FirstOfEqualBest:
+    """Orbax's `BestN`, keeping the earliest of checkpoints whose values are equal.
+
+    `BestN` sorts stably and keeps the last: of equal values, the newest. The best step is
+    the first that reached the value, as early stopping (and Keras) count only a strict
+    improvement: a tie kept the other way would lose the step early stopping restores.
+    """
+
+    def __init__(self, best: Any):
+        self._best = best
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        newest_first = list(reversed(checkpoints))
+        return list(reversed(self._best.should_preserve(newest_first, context=context)))
+
+
 def open_manager(
     ocp: Any,
     directory: Path,
@@ -306,14 +322,13 @@ def open_manager(
 
     preserve: list[Any] = [policies.LatestN(keep)]
     if best_metric is not None:
-        preserve.append(
-            policies.BestN(
-                get_metric_fn=lambda metrics: metrics[best_metric],
-                reverse=best_mode == "min",  # BestN keeps the largest after sorting
-                n=keep_best,
-                keep_checkpoints_without_metrics=False,
-            )
+        best = policies.BestN(
+            get_metric_fn=lambda metrics: metrics[best_metric],
+            reverse=best_mode == "min",  # BestN keeps the largest after sorting
+            n=keep_best,
+            keep_checkpoints_without_metrics=False,
         )
+        preserve.append(_FirstOfEqualBest(best))
     if keep_period is not None:
         preserve.append(policies.EveryNSteps(interval_steps=keep_period))
     processes = jax.process_count()
