@@ -198,6 +198,7 @@ class Heartbeat:
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # process -> (its beat, when it moved)
         self._moves: dict[int, int] = {}  # process -> how many times its beat moved
+        self._unreachable_since: float | None = None  # when the service stopped answering
         self.reported: Lost | None = None  # what another process wrote down
         self.watching = 0  # runs in progress that want to hear of a loss
         self._stopped = threading.Event()
@@ -232,9 +233,13 @@ class Heartbeat:
             )
             beats = self._client.key_value_dir_get(_ALIVE)
         except Exception:  # noqa: BLE001 - any failure: the service is out of reach
-            if self.process == 0:
-                return None  # the service is in this process: the failure is not a peer's
-            return Lost(0, "the coordinator, which holds the coordination service, is gone")
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+            silent = now - self._unreachable_since
+            if self.process == 0 or silent <= self.timeout:
+                return None  # in this process, the service's failure is not a peer's
+            return Lost(0, f"its coordination service did not answer for {silent:.1f} s")
+        self._unreachable_since = None
         if self.watching and self.reported is None:
             self.reported = self._read_reported()
         if self.reported is not None:
@@ -320,6 +325,7 @@ class _AbortGuard:
     """
 
     _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    _LIBC: Any = None
 
     def __init__(self, find_lost: Callable[[], Lost | None], end: Callable[[Lost], None]):
         self._find_lost = find_lost
@@ -329,13 +335,15 @@ class _AbortGuard:
         self._previous: int | None = None
 
     def install(self) -> None:
-        try:
-            libc = ctypes.CDLL(None)
-            libc.signal.restype = ctypes.c_void_p
-            libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        except (OSError, AttributeError):  # no C library to ask: JAX's abort stays as it is
-            return
-        self._libc = libc
+        if _AbortGuard._LIBC is None:
+            try:
+                libc = ctypes.CDLL(None)
+                libc.signal.restype = ctypes.c_void_p
+                libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            except (OSError, AttributeError):  # no C library to ask: JAX's abort stays
+                return
+            _AbortGuard._LIBC = libc
+        self._libc = libc = _AbortGuard._LIBC
         self._previous = libc.signal(signal.SIGABRT, ctypes.cast(self._handler, ctypes.c_void_p))
 
     def uninstall(self) -> None:

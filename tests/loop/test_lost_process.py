@@ -7,7 +7,8 @@ Each case runs real JAX processes joined by `jax.distributed` (2 processes x 1 C
 gloo) through `loopax.testing`; the functions they run are at the top level of this module.
 JAX's own heartbeat timeout is set far past the group's timeout, so a survivor that waited
 for it would hang and fail the test: only loopax's bound (`LOOPAX_LOST_PROCESS_TIMEOUT`)
-or a lost coordinator ends it.
+or a lost coordinator ends it. The detector's own rules (the bound, a process that ended,
+a report from another process, the wait after an error) are checked on a fake clock.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import loopax
-from loopax.loop._lost_process import TIMEOUT_VARIABLE, lost_process_timeout
+from loopax.loop._lost_process import TIMEOUT_VARIABLE, Heartbeat, Lost, lost_process_timeout
 from loopax.testing import Processes, multiprocess
 
 # Their processes fork from one pre-imported interpreter (conftest.py, tests/zygote.py).
@@ -173,3 +174,103 @@ def test_the_bound_is_read_from_the_environment_and_checked():
     for bad in ("0", "-1", "nan", "ten"):
         with pytest.raises(ValueError, match=rf"{TIMEOUT_VARIABLE}='{bad}' is not a positive"):
             lost_process_timeout({TIMEOUT_VARIABLE: bad})
+
+
+class Store:
+    """The coordination service's key-value store, as JAX's client shows it."""
+
+    def __init__(self):
+        self.values, self.down = {}, False
+
+    def _answer(self):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._answer()
+        if key in self.values and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self._answer()
+        return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
+
+    def key_value_try_get(self, key):
+        self._answer()
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+
+def test_a_process_is_lost_after_the_bound_of_silence_and_not_before():
+    store, now, found = Store(), [0.0], []
+    beats = [
+        Heartbeat(store, process, 4, 2.0, found.append, clock=lambda: now[0])
+        for process in range(4)
+    ]
+    beats[0].watching = 1  # in a run; process 1 is not (yet)
+    beats[3].stop()  # ended: its interpreter exits; never waited for
+
+    def tick(*processes):
+        for process in processes:
+            beats[process].tick()
+        now[0] += 0.5
+
+    for _ in range(4):
+        tick(0, 1, 2)
+    # Process 2 stops answering; process 0 (which read its last beat at 2.0 s) sees it lost
+    # once more than 2 s have passed, not before.
+    for _ in range(5):
+        tick(0, 1)
+    assert found == []
+    tick(0, 1)
+    assert found == [Lost(2, "no heartbeat for 2.5 s")]
+    # Process 0 writes it down; process 1, in a run now, ends with what process 0 found.
+    beats[0].write_lost(found[0])
+    beats[1].watching = 1
+    tick(1)
+    assert found[1] == Lost(2, "no heartbeat for 2.5 s; process 0 found it")
+    # Not watching (between runs): nothing happens.
+    quiet_store, quiet = Store(), []
+    idle = Heartbeat(quiet_store, 1, 2, 2.0, quiet.append, clock=lambda: now[0])
+    quiet_store.values["loopax/alive/0"] = "1"
+    for _ in range(10):
+        idle.tick()
+        now[0] += 0.5
+    assert quiet == [] and idle.stalest(now[0], 2.0) == Lost(0, "no heartbeat for 5.0 s")
+    # The coordinator's service out of reach: lost only after the bound, not at one failure.
+    idle.watching = 1
+    quiet_store.down = True
+    for _ in range(5):
+        idle.tick()
+        now[0] += 0.5
+    assert quiet == []
+    idle.tick()
+    assert quiet == [Lost(0, "its coordination service did not answer for 2.5 s")]
+
+
+def test_after_an_error_a_run_waits_for_two_more_beats_of_every_process():
+    store, now = Store(), [0.0]
+    alive, dead, me = (
+        Heartbeat(store, process, 3, 2.0, pytest.fail, clock=lambda: now[0]) for process in range(3)
+    )
+    for beat in (alive, dead, me, alive, dead, me):
+        beat.tick()
+    dead.tick()  # its last beat, written before it died, read after the error
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+        if len(slept) % 2:
+            alive.tick()
+        me.tick()
+
+    me.wait_for_beats(sleep)  # not watching: returns at its deadline, the dead one silent
+    assert now[0] == pytest.approx(2.0 + 3 * 0.5)
+    dead.stop()  # once it ended, no one waits for it
+    slept.clear()
+    started = now[0]
+    me.wait_for_beats(sleep)
+    assert now[0] - started == pytest.approx(3 * 0.125)  # alive beat at the 1st and 3rd sleep
