@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -325,7 +326,6 @@ class _AbortGuard:
     """
 
     _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
-    _LIBC: Any = None
 
     def __init__(self, find_lost: Callable[[], Lost | None], end: Callable[[Lost], None]):
         self._find_lost = find_lost
@@ -335,15 +335,10 @@ class _AbortGuard:
         self._previous: int | None = None
 
     def install(self) -> None:
-        if _AbortGuard._LIBC is None:
-            try:
-                libc = ctypes.CDLL(None)
-                libc.signal.restype = ctypes.c_void_p
-                libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-            except (OSError, AttributeError):  # no C library to ask: JAX's abort stays
-                return
-            _AbortGuard._LIBC = libc
-        self._libc = libc = _AbortGuard._LIBC
+        libc = _libc()
+        if libc is None:  # no C library to ask: JAX's abort stays as it is
+            return
+        self._libc = libc
         self._previous = libc.signal(signal.SIGABRT, ctypes.cast(self._handler, ctypes.c_void_p))
 
     def uninstall(self) -> None:
@@ -356,6 +351,18 @@ class _AbortGuard:
         lost = self._find_lost()
         if lost is not None:
             self._end(lost)
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library's `signal`, or None where there is none to load."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _coordinator_gone(address: str | None) -> bool:
