@@ -17,7 +17,7 @@ and waits for both. Each process then runs the same training code as one process
   processes agree on each batch's size and the results are those of the whole test split.
 - Ctrl-C, or a SIGTERM to either process (a preemption notice), stops both after the same
   step; the checkpoint hook saves it, and a rerun resumes from it.
-- A process that dies (SIGKILL, a lost host) ends the other within about 11 s: it prints
+- A process that dies (SIGKILL, a lost host) ends the other within about 12 s: it prints
   one line, `loopax: lost process 1 of 2 (no heartbeat for 10.0 s); the last checkpoint
   every process committed is step 400 (...), where a rerun resumes; ...`, and exits with
   `loopax.LOST_PROCESS_EXIT` (75, EX_TEMPFAIL), as does this launcher; run it again with the
