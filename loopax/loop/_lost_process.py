@@ -457,7 +457,9 @@ class LostProcessWatch:
             return heartbeat.reported
         if heartbeat.process != 0 and _coordinator_gone(self._coordinator):
             return Lost(0, "the coordinator, which holds the coordination service, is gone")
-        return heartbeat.stalest(heartbeat.now(), 2 * heartbeat.interval)
+        # JAX aborts for a process silent for its `heartbeat_timeout_seconds`; this process
+        # read that one's last beat up to a beat late, so one beat missed is enough to tell.
+        return heartbeat.stalest(heartbeat.now(), heartbeat.interval)
 
     def end(self, lost: Lost, report: bool = False) -> None:
         """Prints the one line and ends this process with `LOST_PROCESS_EXIT`; never returns."""

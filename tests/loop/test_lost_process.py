@@ -7,7 +7,8 @@ Each case runs real JAX processes joined by `jax.distributed` (2 processes x 1 C
 gloo) through `loopax.testing`; the functions they run are at the top level of this module.
 JAX's own heartbeat timeout is set far past the group's timeout, so a survivor that waited
 for it would hang and fail the test: only loopax's bound (`LOOPAX_LOST_PROCESS_TIMEOUT`)
-or a lost coordinator ends it. The detector's own rules (the bound, a process that ended,
+or a lost coordinator ends it; one case turns the bounds around, so that JAX's abort comes
+first and loopax must catch it. The detector's own rules (the bound, a process that ended,
 a report from another process, the wait after an error) are checked on a fake clock.
 """
 
@@ -122,14 +123,26 @@ def _committed(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-@pytest.mark.parametrize(("victim", "when"), [(1, "step"), (0, "step"), (1, "save"), (0, "save")])
-def test_a_lost_process_ends_the_survivor_with_one_line_and_a_rerun_resumes(tmp_path, victim, when):
+# Whose bound ends the survivor: loopax's (2 s; JAX's far past the group's timeout), or JAX's
+# own heartbeat timeout (5 s; loopax's far past it), whose C++ abort loopax catches.
+BOUNDS = {"loopax": (2, 10 * TIMEOUT), "jax": (10 * TIMEOUT, 5)}
+
+
+@pytest.mark.parametrize(
+    ("victim", "when", "bound"),
+    [(1, "step", "loopax"), (0, "step", "loopax"), (1, "save", "loopax"),
+     (0, "save", "loopax"), (1, "step", "jax")],
+)  # fmt: skip
+def test_a_lost_process_ends_the_survivor_with_one_line_and_a_rerun_resumes(
+    tmp_path, victim, when, bound
+):
     directory = tmp_path / "checkpoints"
     directory.mkdir()
-    env = {TIMEOUT_VARIABLE: "2"}
+    loopax_seconds, jax_seconds = BOUNDS[bound]
     with Processes(
         2, 1, train_until_one_dies, str(directory), victim, when,
-        env=env, heartbeat_timeout=10 * TIMEOUT, timeout=TIMEOUT,
+        env={TIMEOUT_VARIABLE: str(loopax_seconds)}, heartbeat_timeout=jax_seconds,
+        timeout=TIMEOUT,
     ) as group:  # fmt: skip
         results = group.wait(TIMEOUT)
     logs = "\n".join(
