@@ -178,6 +178,8 @@ class Heartbeat:
       timeout: seconds of silence after which a process is lost.
       on_lost: called once with the `Lost` process while watching; it does not return.
       clock: monotonic seconds.
+      connected: whether `client` is still JAX's (False once `jax.distributed.shutdown()`
+        ran: the beats stop).
     """
 
     def __init__(
@@ -188,8 +190,10 @@ class Heartbeat:
         timeout: float,
         on_lost: Callable[[Lost], None],
         clock: Callable[[], float] = time.monotonic,
+        connected: Callable[[], bool] = lambda: True,
     ):
         self._client = client
+        self._connected = connected
         self.process = process
         self.count = count
         self.timeout = timeout
@@ -214,6 +218,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
+            if not self._connected():
+                self._stopped.set()
+                return
             self.tick()
 
     def tick(self) -> None:
@@ -409,18 +416,20 @@ class LostProcessWatch:
             return contextlib.nullcontext()
         from jax._src.distributed import global_state  # noqa: PLC0415
 
-        if global_state.client is None:
+        client = global_state.client
+        if client is None:
             return contextlib.nullcontext()
         if cls._current is None:
             import jax  # noqa: PLC0415
 
             watch = cls(
                 Heartbeat(
-                    global_state.client,
+                    client,
                     jax.process_index(),
                     jax.process_count(),
                     lost_process_timeout(),
                     lambda lost: watch.end(lost, report=True),
+                    connected=lambda: global_state.client is client,
                 ),
                 global_state.coordinator_address,
             )
