@@ -40,10 +40,15 @@ from typing import Any
 LOST_PROCESS_EXIT = 75
 """The exit status of a process whose run lost another process: 75, EX_TEMPFAIL.
 
-"Try again": every process of the run exits with it when one of them stops answering, after
-one line naming that process and the newest checkpoint every process committed, so that a
-launcher (SLURM's requeue, a Kubernetes restart policy, an elastic agent) restarts the job,
-which resumes from that checkpoint.
+"Try again": during a run on several processes, every process exits with it when one of
+them stops answering, after one line on stderr naming that process, the newest checkpoint
+every process committed and the command that resumes, so that a launcher (SLURM's requeue, a
+Kubernetes restart policy, an elastic agent) restarts the job, which resumes from that
+checkpoint. A process is lost once its heartbeat (one a second, through JAX's coordination
+service) has stood still for `LOOPAX_LOST_PROCESS_TIMEOUT` seconds (an environment
+variable; 10 by default), or when JAX's own detection aborts the process first (a lost
+coordinator at once; a silent process after `heartbeat_timeout_seconds` of
+`jax.distributed.initialize`). See the Scale guide, "A process that dies".
 """
 
 TIMEOUT_VARIABLE = "LOOPAX_LOST_PROCESS_TIMEOUT"
@@ -209,6 +214,10 @@ class Heartbeat:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def beats_into(self, client: Any) -> bool:
+        """Whether this heartbeat beats, into `client`'s store."""
+        return client is self._client and not self._stopped.is_set()
 
     def start(self) -> None:
         """Starts the beating thread (a daemon)."""
@@ -419,7 +428,7 @@ class LostProcessWatch:
         client = global_state.client
         if client is None:
             return contextlib.nullcontext()
-        if cls._current is None:
+        if cls._current is None or not cls._current.heartbeat.beats_into(client):
             import jax  # noqa: PLC0415
 
             watch = cls(
