@@ -321,14 +321,16 @@ class Heartbeat:
         with contextlib.suppress(Exception):
             self._client.key_value_set(_LOST, json.dumps(record))
 
-    def stop(self) -> None:
-        """Stops beating, and marks this process `ended` so that no one waits for it."""
+    def stop(self, ended: bool = True) -> None:
+        """Stops beating; with `ended`, marks this process ended, so that no one waits for it."""
         with self._lock:
             if self._stopped.is_set():
                 return
             self._stopped.set()
-            with contextlib.suppress(Exception):
-                self._client.key_value_set(f"{_ALIVE}{self.process}", _ENDED, allow_overwrite=True)
+            if ended:
+                with contextlib.suppress(Exception):
+                    key = f"{_ALIVE}{self.process}"
+                    self._client.key_value_set(key, _ENDED, allow_overwrite=True)
 
 
 class _AbortGuard:
@@ -367,6 +369,16 @@ class _AbortGuard:
         lost = self._find_lost()
         if lost is not None:
             self._end(lost)
+
+
+def _stop_at_exit(heartbeat: Heartbeat) -> None:
+    """At the interpreter's exit: the beats end; `ended` unless an uncaught error ends it.
+
+    Python keeps the error it printed in `sys.last_value`. A process that failed so is not
+    ended for the others: one still in a run with it counts it lost after the bound, rather
+    than waiting for it inside a collective.
+    """
+    heartbeat.stop(ended=getattr(sys, "last_value", None) is None)
 
 
 @functools.cache
@@ -443,7 +455,7 @@ class LostProcessWatch:
                 global_state.coordinator_address,
             )
             watch.heartbeat.start()
-            atexit.register(watch.heartbeat.stop)  # before JAX's own shutdown (atexit: LIFO)
+            atexit.register(_stop_at_exit, watch.heartbeat)  # before JAX's shutdown (LIFO)
             cls._current = watch
         return cls._current.watching(lambda: checkpoint_directory(loop))
 

@@ -1,7 +1,7 @@
-"""A lost process: SIGKILL one of 2 processes, at a step or during a background save; the
-survivor ends with one line (the lost process, the newest checkpoint both committed, the
-command that resumes) and `loopax.LOST_PROCESS_EXIT`, and a rerun resumes from that
-checkpoint exactly.
+"""A lost process: SIGKILL to one of 2 processes, at a step or during a background save, or
+an error that ends one alone; the survivor ends with one line (the lost process, the newest
+checkpoint both committed, the command that resumes) and `loopax.LOST_PROCESS_EXIT`, and a
+rerun resumes from that checkpoint exactly.
 
 Each case runs real JAX processes joined by `jax.distributed` (2 processes x 1 CPU device,
 gloo) through `loopax.testing`; the functions they run are at the top level of this module.
@@ -56,14 +56,22 @@ def _loop():
     return loopax.Loop(trainer), data
 
 
-def _die_once(directory, ready, what):
-    """SIGKILL to this process once `ready(names in directory)` (waits up to 60 s)."""
+def _kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raise():
+    raise RuntimeError("this process fails alone")
+
+
+def _die_once(directory, ready, what, die=_kill):
+    """Dies (SIGKILL) once `ready(names in directory)` (waits up to 60 s)."""
     import time
 
     for _ in range(12000):
         if ready(os.listdir(directory)):
             print(f"dying {what}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         time.sleep(0.005)
     print(f"never got to die {what}", flush=True)
 
@@ -74,6 +82,8 @@ def _die(directory, when):
         if when == "step" and step == KILLED_AT:
             # After the background commit of checkpoint 4, whose writer thread runs on.
             _die_once(directory, lambda names: "4" in names, f"after step {step}")
+        if when == "error" and step == KILLED_AT:
+            _die_once(directory, lambda names: "4" in names, "of an error", _raise)
         if when == "save" and step == SAVE_CUT:
             # The checkpoint hook has taken the save (its writer thread commits it while the
             # steps go on): die once Orbax is writing it, under its temporary name.
@@ -131,7 +141,7 @@ BOUNDS = {"loopax": (2, 10 * TIMEOUT), "jax": (10 * TIMEOUT, 5)}
 @pytest.mark.parametrize(
     ("victim", "when", "bound"),
     [(1, "step", "loopax"), (0, "step", "loopax"), (1, "save", "loopax"),
-     (0, "save", "loopax"), (1, "step", "jax")],
+     (0, "save", "loopax"), (1, "step", "jax"), (1, "error", "loopax")],
 )  # fmt: skip
 def test_a_lost_process_ends_the_survivor_with_one_line_and_a_rerun_resumes(
     tmp_path, victim, when, bound
@@ -149,7 +159,11 @@ def test_a_lost_process_ends_the_survivor_with_one_line_and_a_rerun_resumes(
         f"----- process {r.process_id} (exit {r.returncode}) -----\n{r.log}" for r in results
     )
     survivor = results[1 - victim]
-    assert results[victim].returncode == -signal.SIGKILL, logs
+    if when == "error":  # an uncaught error ends its interpreter: a traceback, no beats
+        assert "RuntimeError: this process fails alone" in results[victim].log, logs
+        assert not results[victim].timed_out, logs
+    else:
+        assert results[victim].returncode == -signal.SIGKILL, logs
     assert "dying" in results[victim].log, logs
     assert survivor.returncode == loopax.LOST_PROCESS_EXIT == 75, logs
     # The save cut off is no checkpoint: it stays under its temporary name, and the newest
@@ -157,7 +171,7 @@ def test_a_lost_process_ends_the_survivor_with_one_line_and_a_rerun_resumes(
     # a save that committed first is a checkpoint like any other.)
     committed = _committed(directory)
     expected = committed[-1]
-    if when == "step":
+    if when != "save":
         assert expected == 4, (os.listdir(directory), logs)
     else:
         cut = [name for name in os.listdir(directory) if name.startswith(f"{SAVE_CUT}.")]
