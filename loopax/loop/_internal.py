@@ -14,7 +14,7 @@ from ..trainer._state import tree_paths as tree_paths
 from ._history import train_key as train_key
 from ._hook import NEVER as NEVER
 from ._hook import AnyOf as AnyOf
-from ._lost_process import note_checkpoint_directory as note_checkpoint_directory
+from ._lost_report import note_checkpoint_directory as note_checkpoint_directory
 
 __all__ = [
     "NEVER",
