@@ -17,6 +17,14 @@ and waits for both. Each process then runs the same training code as one process
   processes agree on each batch's size and the results are those of the whole test split.
 - Ctrl-C, or a SIGTERM to either process (a preemption notice), stops both after the same
   step; the checkpoint hook saves it, and a rerun resumes from it.
+- A process that dies (SIGKILL, a lost host) ends the other within about 12 s: it prints
+  one line, `loopax: lost process 1 of 2 (no heartbeat for 10.0 s); the last checkpoint
+  every process committed is step 400 (...), where a rerun resumes; ...`, and exits with
+  `loopax.LOST_PROCESS_EXIT` (75, EX_TEMPFAIL), as does this launcher; run it again with the
+  same `--dir` and it resumes from that step. The bound is `LOOPAX_LOST_PROCESS_TIMEOUT`
+  (seconds of silence, default 10), and JAX's own: a dead coordinator (process 0) is seen
+  at once, and `jax.distributed.initialize(..., heartbeat_timeout_seconds=100)` (its
+  default) declares a silent process dead; loopax ends those the same way.
 
 On a cluster, run the same script once per host with `--cluster` (and nothing else): there
 `jax.distributed.initialize()` with no arguments finds the coordinator, the process count and
@@ -51,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch(argv: list[str]) -> int:
     """Starts this script as processes 0 and 1 on this machine; their worst exit status."""
-    from loopax.testing import free_port  # noqa: PLC0415 - jax loads in the workers only
+    from loopax import LOST_PROCESS_EXIT  # noqa: PLC0415 - jax loads in the workers only
+    from loopax.testing import free_port  # noqa: PLC0415
 
     coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ)
@@ -73,6 +82,8 @@ def launch(argv: list[str]) -> int:
                 break
             except KeyboardInterrupt:  # Ctrl-C reached the processes too: wait for their save
                 continue
+    if LOST_PROCESS_EXIT in statuses:  # a process was lost: the job can be run again
+        return LOST_PROCESS_EXIT
     status = next((status for status in statuses if status), 0)
     return 128 - status if status < 0 else status  # killed by a signal: as a shell says it
 

@@ -18,6 +18,7 @@ from ._public import show_errors_under
 from .data import ArrayDataset as ArrayDataset
 from .data import Dataset as Dataset
 from .data import IterableDataset as IterableDataset
+from .loop import LOST_PROCESS_EXIT as LOST_PROCESS_EXIT
 from .loop import Evaluation as Evaluation
 from .loop import History as History
 from .loop import Hook as Hook
@@ -60,6 +61,7 @@ __all__ = [
     "Hook",
     "HookError",
     "IterableDataset",
+    "LOST_PROCESS_EXIT",
     "Loop",
     "NonFiniteLossError",
     "Priority",

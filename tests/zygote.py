@@ -127,7 +127,9 @@ def run_child(argv: list[str], cwd: str | None, env: dict[str, str] | None = Non
     except KeyboardInterrupt:
         traceback.print_exc()
         interrupted = True
-    except BaseException:
+    except BaseException as error:
+        sys.last_type, sys.last_value = type(error), error  # as Python's own print keeps it
+        sys.last_traceback = error.__traceback__
         traceback.print_exc()
         code = 1
     # Python's own exit, in Py_Finalize's order.

@@ -9,12 +9,14 @@ from ._hook import Priority as Priority
 from ._hook import RunInfo as RunInfo
 from ._hook import Schedule as Schedule
 from ._loop import Loop as Loop
+from ._lost_report import LOST_PROCESS_EXIT as LOST_PROCESS_EXIT
 
 __all__ = [
     "Evaluation",
     "History",
     "Hook",
     "HookError",
+    "LOST_PROCESS_EXIT",
     "Loop",
     "NonFiniteLossError",
     "Priority",

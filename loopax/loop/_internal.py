@@ -15,6 +15,7 @@ from ._history import train_key as train_key
 from ._hook import FINISHED as FINISHED
 from ._hook import NEVER as NEVER
 from ._hook import AnyOf as AnyOf
+from ._lost_report import note_checkpoint_directory as note_checkpoint_directory
 from ._signals import SIGNALS as SIGNALS
 from ._signals import exit_interrupted as exit_interrupted
 from ._signals import signal_name as signal_name
@@ -28,6 +29,7 @@ __all__ = [
     "exit_interrupted",
     "first_non_finite",
     "from_plain",
+    "note_checkpoint_directory",
     "reads_a_copy",
     "signal_name",
     "train_key",

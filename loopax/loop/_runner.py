@@ -22,6 +22,7 @@ from ._finite import FiniteChecker, NonFiniteLossError
 from ._hook import FINISHED, NEVER
 from ._hook_registry import HookRegistry
 from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
+from ._lost_process import LostProcessWatch
 from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
 
@@ -310,20 +311,22 @@ class Runner:
         self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
         self._stop_adopted = False
         self.running = True
-        try:
-            with self._interrupts:
-                self._start_run(dataset, end_step, end_epoch)
-                yield
-        except BaseException as error:
-            self._in_flight.wait_all()
-            self._hooks.after_hooks.clear()
-            self._hand_out_logs_at(error)
-            self._hooks.run_error(error)
-            raise
-        finally:
-            self.running = self._hooks.scheduling = False
-            self.epoch_count.end_run()
-            agreed = self._close_agreement()
+        # Several processes: one that stops answering ends the others, even inside a collective.
+        with LostProcessWatch.for_run(self._trainer.devices, self._owner):
+            try:
+                with self._interrupts:
+                    self._start_run(dataset, end_step, end_epoch)
+                    yield
+            except BaseException as error:
+                self._in_flight.wait_all()
+                self._hooks.after_hooks.clear()
+                self._hand_out_logs_at(error)
+                self._hooks.run_error(error)
+                raise
+            finally:
+                self.running = self._hooks.scheduling = False
+                self.epoch_count.end_run()
+                agreed = self._close_agreement()
         signum = self._interrupts.received
         if signum is None and agreed is not None and self.loop_step == agreed.step + 1:
             signum = agreed.signum  # the signal another process got: every process exits so

@@ -27,6 +27,7 @@ import jax
 
 from ... import _validate, _warnings
 from ...loop import Loop
+from ...loop._internal import note_checkpoint_directory
 from ...trainer import Trainer
 from ._active import take_over
 from ._checks import best_metric_value
@@ -107,6 +108,7 @@ class Checkpointer:
         self.best_mode = best_mode
         self.directory = Path(_validate.path("directory", directory, "checkpoint: ")).absolute()
         _check_directory(self.directory)
+        note_checkpoint_directory(loop, self.directory)  # named if a process is lost
         leftovers = _incomplete_saves(self.directory)
         self.restored_step: int | None = None
         self._pending_datasets: dict | None = None  # dataset positions for the next OnStart
