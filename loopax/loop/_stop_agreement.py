@@ -137,9 +137,19 @@ class StopAgreement:
     def poll(self, loop_step: int) -> AgreedStop | None:
         """The agreed stop, if any, after proposing this process's wish at `loop_step`.
 
-        Costs one attribute read unless a wish waits to be proposed.
+        Costs two attribute reads unless a wish waits to be proposed.
+
+        Raises:
+          RuntimeError: the watcher lost the coordination service, so a stop another process
+            asks for could no longer be seen (its error is chained).
         """
         seen = self._seen
+        if seen is None and self._watch_error is not None:
+            raise RuntimeError(
+                f"process {self._process} lost JAX's coordination service while it watched "
+                f"for a stop ({self._watch_error}): a stop another process asks for can no "
+                "longer be agreed; the processes' last committed checkpoint resumes the run"
+            ) from self._watch_error
         if seen is None and self._wish is not None:
             seen = self._propose(loop_step)
         if isinstance(seen, RunEnded):

@@ -67,3 +67,19 @@ def test_a_run_that_ended_closes_the_agreement_and_a_late_wish_is_dropped(client
 def test_one_process_has_no_agreement():
     one = types.SimpleNamespace(devices=[types.SimpleNamespace(process_index=0)] * 2)
     assert StopAgreement.for_run(one, 19) is None  # the single-process path: nothing at all
+
+
+class GoneClient(FakeClient):
+    """A client whose service is gone: every wait fails at once, as JAX's does."""
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+
+
+def test_a_watcher_that_lost_the_service_is_reported_at_the_next_poll():
+    agreement = StopAgreement(GoneClient(), 1, 19, "run/0")
+    agreement._thread.join(5)
+    assert not agreement._thread.is_alive()
+    with pytest.raises(RuntimeError, match="process 1 lost JAX's coordination service") as info:
+        agreement.poll(3)
+    assert "UNAVAILABLE" in str(info.value.__cause__)
