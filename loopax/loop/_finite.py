@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -20,7 +20,17 @@ MOVING_AVERAGE = "moving_average_loss"
 
 # (the last loop step of a dispatch turn, its metrics as `Trainer.run` returned them, the
 # turn's dispatches: their batches, kept by reference until checked), oldest first
-Window = list[tuple[int, dict[str, jax.Array], list[Any]]]
+
+
+class StepToken(NamedTuple):
+    """What the loop keeps of a dispatch while its steps are in flight."""
+
+    last_step: int  # the loop step of its last step
+    metrics: dict[str, jax.Array]  # a `GroupMetrics` for a group of fused steps
+    dispatches: list[Any]  # the batches it ran, held for the non-finite diagnosis
+
+
+Window = list[StepToken]
 NonFiniteHandler = Callable[[Any, list[int]], None]
 
 
@@ -43,11 +53,11 @@ def _as_float(value: Any) -> float:
 def per_step(window: Window, key: str) -> list[tuple[int, float]]:
     """`(loop step, value of key)` for every step of `window`, groups expanded; one read."""
     parts = []
-    for step, metrics, _ in window:
-        if isinstance(metrics, GroupMetrics):
-            parts.extend(metrics.stacked(key))
+    for token in window:
+        if isinstance(token.metrics, GroupMetrics):
+            parts.extend(token.metrics.stacked(key))
         else:
-            parts.append((step, metrics[key]))
+            parts.append((token.last_step, token.metrics[key]))
     values = jax.device_get([value for _, value in parts])
     result = []
     for (first, _), value in zip(parts, values, strict=True):
@@ -124,8 +134,8 @@ class FiniteChecker:
             non-finite handler takes it.
         """
         self.raise_failure()
-        newest_step, newest, _ = window[-1]
-        value = _as_float(newest[self._indicator])
+        newest_step = window[-1].last_step
+        value = _as_float(window[-1].metrics[self._indicator])
         if self._indicator == MOVING_AVERAGE:
             if not math.isfinite(value):
                 self._raise_first(loop, window, value)
@@ -165,7 +175,7 @@ class FiniteChecker:
                 )
                 self.failure = NonFiniteLossError(message, step)
                 raise self.failure
-        step = window[-1][0]
+        step = window[-1].last_step
         self.failure = NonFiniteLossError(
             f"the moving average of the loss is {average} at step {step} (global step "
             f"{step + 1}) although every loss "
@@ -187,8 +197,8 @@ class FiniteChecker:
 
 def _advice(loop: Any, window: Window, step: int) -> str:
     """`batch_advice` for loop step `step` of `window`: what its batch holds, what to do."""
-    for last, _, dispatches in window:
-        if step <= last:
-            first = last - sum(dispatch.count for dispatch in dispatches) + 1
-            return batch_advice(loop.trainer, dispatches, first, step)
-    raise AssertionError(f"step {step} is past the window's last step {window[-1][0]}")
+    for token in window:
+        if step <= token.last_step:
+            first = token.last_step - sum(dispatch.count for dispatch in token.dispatches) + 1
+            return batch_advice(loop.trainer, token.dispatches, first, step)
+    raise AssertionError(f"step {step} is past the window's last step {window[-1].last_step}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -16,8 +16,24 @@ if TYPE_CHECKING:
 
 Metrics = dict[str, Any]
 LogFn = Callable[[int, dict[str, float]], Any]
-# (loop step, its metrics, extra device values, [(callback, its extra keys)])
-PendingLog = tuple[int, Metrics, dict[str, Any], list[tuple[LogFn, tuple]]]
+
+
+class PendingLog(NamedTuple):
+    """Train metrics asked for by `LoopMetrics.log`, kept until their step has finished."""
+
+    step: int  # the loop step
+    metrics: Metrics
+    extra: dict[str, Any]  # device values added by the callers, by key
+    callbacks: list[tuple[LogFn, tuple]]  # (callback, the extra keys it asked for)
+
+
+class Chunk(NamedTuple):
+    """One compiled call of a group of fused steps."""
+
+    first_step: int
+    steps: int
+    stacked: Any  # the call's metrics with a leading steps axis; None for a call of one step
+    last: Any  # the metrics of its last step
 
 
 class GroupMetrics(dict):
@@ -28,15 +44,18 @@ class GroupMetrics(dict):
     call of the group (a call of one step has no stacked metrics: its last are its own).
     """
 
-    def __init__(self, last: dict[str, Any], chunks: list[tuple[int, int, Any, Any]]):
+    def __init__(self, last: dict[str, Any], chunks: list[Chunk]):
         super().__init__(last)
         self.chunks = chunks
 
     def stacked(self, key: str) -> list[tuple[int, Any]]:
         """`(first step, values with a leading steps axis)` of `key`, per chunk, on device."""
         return [
-            (first, last[key][None] if stacked is None else stacked[key])
-            for first, _, stacked, last in self.chunks
+            (
+                chunk.first_step,
+                chunk.last[key][None] if chunk.stacked is None else chunk.stacked[key],
+            )
+            for chunk in self.chunks
         ]
 
     def every_step(self) -> dict[str, Any]:
@@ -106,17 +125,17 @@ class LoopMetrics:
             return
         extra = dict(extra or {})
         pending = self.pending_logs
-        if pending and pending[-1][0] == step:
-            pending[-1][2].update(extra)
-            pending[-1][3].append((fn, tuple(extra)))
+        if pending and pending[-1].step == step:
+            pending[-1].extra.update(extra)
+            pending[-1].callbacks.append((fn, tuple(extra)))
         else:
-            pending.append((step, metrics, extra, [(fn, tuple(extra))]))
+            pending.append(PendingLog(step, metrics, extra, [(fn, tuple(extra))]))
 
     def resolve_logs(self, through_step: int) -> None:
         """Reads and hands out the pending train logs of steps `<= through_step`."""
         pending = self.pending_logs
         ready = 0
-        while ready < len(pending) and pending[ready][0] <= through_step:
+        while ready < len(pending) and pending[ready].step <= through_step:
             ready += 1
         if not ready:
             return
@@ -133,7 +152,7 @@ class LoopMetrics:
     def forget_from(self, step: int) -> None:
         """Forgets the pending logs of loop steps `>= step` and the evaluations held."""
         self._evaluations_step = -1
-        self.pending_logs = [entry for entry in self.pending_logs if entry[0] < step]
+        self.pending_logs = [entry for entry in self.pending_logs if entry.step < step]
 
     def evaluate(self, dataset: Dataset) -> Evaluation:
         """`dataset`'s evaluation at the trainer's global step, evaluated once; see `Loop`."""

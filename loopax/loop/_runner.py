@@ -18,10 +18,10 @@ from ..trainer._trainer import Trainer
 from ._ahead import AheadCompiles
 from ._batch_check import HELD_BYTES, kept
 from ._epochs import EpochCount
-from ._finite import FiniteChecker, NonFiniteLossError
+from ._finite import FiniteChecker, NonFiniteLossError, StepToken
 from ._hook import FINISHED, NEVER
 from ._hook_registry import HookRegistry
-from ._loop_metrics import GroupMetrics, LoopMetrics, every_step
+from ._loop_metrics import Chunk, GroupMetrics, LoopMetrics, every_step
 from ._lost_process import LostProcessWatch
 from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
@@ -257,7 +257,7 @@ class Runner:
         window = self._in_flight.wait_all()
         if window:
             for watch in self._owner.shared_data.get(FINISHED, ()):
-                watch(self._in_flight.finished[0])
+                watch(self._in_flight.finished.last_step)
             self._finite.verify(self._owner, window)
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
@@ -446,21 +446,23 @@ class Runner:
                     last = first - 1
                     for dispatch in dispatches:
                         result = run(dispatch)
-                        parts.append((last + 1, dispatch.count, result.stacked, result.last))
+                        parts.append(Chunk(last + 1, dispatch.count, result.stacked, result.last))
                         last += dispatch.count
-                    metrics = self.group = GroupMetrics(parts[-1][3], parts)
+                    metrics = self.group = GroupMetrics(parts[-1].last, parts)
                     count = last - first + 1
                 # The one tail of every dispatch: the window, the checks, the hooks.
                 self.metrics = metrics
                 self.metrics_step = last
                 self._epoch_batches += count
-                window = push(metrics[indicator], (last, metrics, kept(dispatches, budget)))
+                window = push(
+                    metrics[indicator], StepToken(last, metrics, kept(dispatches, budget))
+                )
                 if window is not None:
                     for watch in self._owner.shared_data.get(FINISHED, ()):
-                        watch(self._in_flight.finished[0])
+                        watch(self._in_flight.finished.last_step)
                     self._finite.verify(self._owner, window)
                     if loop_metrics.pending_logs:
-                        loop_metrics.resolve_logs(window[-1][0])
+                        loop_metrics.resolve_logs(window[-1].last_step)
                     if agreement is not None:  # several processes: a settle point
                         stop_step = self._agreed_stop_step(agreement, last, stop_step)
                 if not hooks.halted:
