@@ -101,7 +101,7 @@ class Size:
 SIZES = {
     "full": Size(
         "full",
-        tiny_steps=4096,
+        tiny_steps=2048,
         rounds=5,
         warmup_rounds=1,
         enqueue_steps=2000,
@@ -109,7 +109,7 @@ SIZES = {
         lm=bench_lm.Shape(layers=6, width=1024, heads=16, context=512, batch=32),
         lm_steps=16,
         mfu_window=128,
-        worker_timeout=150,
+        worker_timeout=90,
     ),
     "small": Size(
         "small",
