@@ -82,8 +82,9 @@ if [ "$limit" -gt 20 ]; then
     "$PYTHON" -c "import pytest_timeout" 2>/dev/null && options+=(--timeout=120)
     tests_started=$(date +%s)
     # shellcheck disable=SC2086  # DEVICE_RUN_TESTS is a list of arguments
+    # -vv: one line a test (pyproject's addopts has -q), kept in tests.txt even if killed.
     timeout -s INT -k 10 "$limit" "$PYTHON" -m pytest --accelerator -p no:cacheprovider \
-        -n "${DEVICE_RUN_WORKERS:-auto}" -v -rfE --junitxml "$OUT/tests.xml" "${options[@]}" \
+        -n "${DEVICE_RUN_WORKERS:-auto}" -vv -rfE --junitxml "$OUT/tests.xml" "${options[@]}" \
         ${DEVICE_RUN_TESTS:-} >"$OUT/tests.txt" 2>&1
     tests_status=$?
     tests_seconds=$(($(date +%s) - tests_started))
