@@ -867,6 +867,9 @@ def unmeasured_rows(sections: list[tuple[str, dict]]) -> list[str]:
 
 def device_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """`--device`: the device benchmark (`bench_device.py`), each section printed when measured."""
+    # This process and the ones it starts (digits, the LM's fresh compiles) share one GPU:
+    # none takes 75% of its memory up front (JAX reads this when its backend starts).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import bench_device  # noqa: PLC0415
     import jax  # noqa: PLC0415
 

@@ -6,6 +6,7 @@ over several devices or with CPU worker processes, `-m "not cpu_devices"` select
 tests with the 4 devices kept, and an option given too late is refused.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checks start pytest on the CPU from the suite's own setup (4 simulated devices).
+CHECKS = pytest.mark.cpu_devices
 # Parametrized over 1 and 4 devices; a module of zygote children; this file.
 FILES = ["tests/trainer/test_creation.py", "tests/reliability/test_zygote.py", __file__]
 
@@ -32,6 +35,7 @@ def pytest_in_a_fresh_process(*arguments: str) -> subprocess.CompletedProcess:
     )
 
 
+@functools.cache  # one fresh collection per set of arguments for the whole module
 def collected(*arguments: str) -> tuple[list[str], str]:
     done = pytest_in_a_fresh_process("--collect-only", *arguments, *FILES)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -47,6 +51,7 @@ def test_this_process_has_the_devices_its_mode_asks_for():
     assert jax.device_count() == (1 if accelerator else 4), jax.devices()
 
 
+@CHECKS
 def test_accelerator_sets_up_no_cpu_devices_even_if_inherited():
     # The environment of this run asks for 4 simulated devices (tests/conftest.py).
     assert "--xla_force_host_platform_device_count=4" in os.environ.get("XLA_FLAGS", "")
@@ -56,6 +61,7 @@ def test_accelerator_sets_up_no_cpu_devices_even_if_inherited():
     assert "1 passed" in done.stdout
 
 
+@CHECKS
 def test_accelerator_deselects_the_tests_that_need_cpu_devices():
     everything, _ = collected()
     kept, report = collected("--accelerator")
@@ -73,12 +79,14 @@ def test_accelerator_deselects_the_tests_that_need_cpu_devices():
     )
 
 
+@CHECKS
 def test_the_marker_selects_the_same_tests_with_the_devices_kept():
     kept, _ = collected("--accelerator")
     marked, _ = collected("-m", "not cpu_devices")
     assert marked == kept
 
 
+@CHECKS
 def test_the_option_is_refused_where_it_comes_too_late():
     code = (
         "import sys, pytest; "
