@@ -569,7 +569,7 @@ def mfu_row(batches: list, size: Size, params: int) -> tuple[str, str]:
     )
     return (
         label,
-        f"hooks.throughput {mfu:.4f}, analytic 6*{params / 1e6:.1f}M params*tokens "
+        f"hooks.throughput {mfu:.4f}, analytic 6*params*tokens "
         f"{analytic:.4f} ({off:+.1%}; target within 10%: {passed}); XLA counts "
         f"{flops / (6 * params * tokens):.3f}x the analytic FLOPs a step; windows of {window} "
         f"steps; peak {peak_text}",
@@ -643,8 +643,8 @@ def lm_section(size: Size, rounds: int, on_round, progress: Callable[[str], None
         ),
     ]
     return {
-        "title": f"device lm: transformer LM ({shape.describe()}, adamw), {params / 1e6:.1f}M "
-        f"parameters, stdlib source; {steps} steps x {rounds} rounds, {BATCHES} cycled batches",
+        "title": f"device lm: transformer LM ({shape.describe()}, adamw), {params:,} parameters, "
+        f"stdlib source; {steps} steps x {rounds} rounds, {BATCHES} cycled batches",
         "unit": "tokens/s",
         "rows": rows,
         "pairs": pairs,
