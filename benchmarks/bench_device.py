@@ -614,7 +614,8 @@ def lm_section(size: Size, rounds: int, on_round, progress: Callable[[str], None
     rows.append(
         (
             "programs built for the candidates",
-            f"{loaded.count}, {len(hits)} of them loaded from the lm-compile workers' cache",
+            f"{loaded.count}, {len(hits)} of them loaded from the run's cache (the "
+            "lm-compile workers' programs, or one built earlier in this run)",
         )
     )
     progress(f"  lm: MFU, 3 windows of {size.mfu_window} steps")
