@@ -29,6 +29,7 @@ Run: python benchmarks/bench_lm.py [--quick] [--rounds N]   (= run_all.py --only
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -51,7 +52,34 @@ from loopax import hooks, losses
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import transformer_lm  # noqa: E402  (the example's model and data)
 
-BATCH, CONTEXT, K = 32, 64, 8
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The model's and batches' size: `layers` blocks of `width` with `heads`, `context`, `batch`.
+
+    The default is the example's (and `run_all.py --only lm`'s); `run_all.py --device` trains a
+    GPU-sized one (`bench_device.py`).
+    """
+
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 64
+    batch: int = 32
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.context
+
+    def describe(self) -> str:
+        return (
+            f"{self.layers} layers, width {self.width}, {self.heads} heads, context "
+            f"{self.context}, batch {self.batch}"
+        )
+
+
+DEFAULT = Shape()
+BATCH, CONTEXT, K = DEFAULT.batch, DEFAULT.context, 8
 TOKENS_PER_STEP = BATCH * CONTEXT
 LEARNING_RATE = 1e-3
 STEPS = (64, 16)  # per round: full run / --quick; multiples of K
@@ -71,21 +99,34 @@ COMPILE_CANDIDATES = {
     PER_STEP: "loopax",
     f"loopax Loop, K={K}, hook every {COMPILE_HOOK_EVERY} steps": "fused",
 }
+# The same with bfloat16 on both sides (run_all.py --device).
+COMPILE_CANDIDATES_BF16 = {
+    **COMPILE_CANDIDATES,
+    REFERENCE_BF16: "hand_bf16",
+    LOOPAX_BF16: "loopax_bf16",
+}
 
 
-def model() -> transformer_lm.CharTransformer:
-    return transformer_lm.CharTransformer(width=128, layers=2, heads=4, context=CONTEXT)
+def model(shape: Shape = DEFAULT) -> transformer_lm.CharTransformer:
+    return transformer_lm.CharTransformer(
+        width=shape.width, layers=shape.layers, heads=shape.heads, context=shape.context
+    )
 
 
 def optimizer() -> optax.GradientTransformation:
     return optax.adamw(LEARNING_RATE)
 
 
-def make_batches(count: int = 16, seed: int = 0) -> list[Batch]:
+def make_batches(count: int = 16, seed: int = 0, shape: Shape = DEFAULT) -> list[Batch]:
     """`count` batches of random windows of the standard library's source, on the device."""
     tokens = transformer_lm.encode(transformer_lm.standard_library_text(2_000_000))
-    inputs, targets = transformer_lm.windows(tokens, CONTEXT)
-    order = np.random.default_rng(seed).permutation(len(inputs))[: count * BATCH]
+    inputs, targets = transformer_lm.windows(tokens, shape.context)
+    if len(inputs) < count * shape.batch:
+        raise ValueError(
+            f"{len(inputs)} windows of {shape.context} characters are too few for {count} "
+            f"batches of {shape.batch}: use a smaller --size"
+        )
+    order = np.random.default_rng(seed).permutation(len(inputs))[: count * shape.batch]
     device = jax.devices()[0]
     return [
         (
@@ -100,13 +141,13 @@ def make_batches(count: int = 16, seed: int = 0) -> list[Batch]:
 # -- the hand-written baselines -----------------------------------------------------------
 
 
-def _step(compute_dtype: Any = None) -> tuple[Callable, Callable]:
+def _step(compute_dtype: Any = None, shape: Shape = DEFAULT) -> tuple[Callable, Callable]:
     """A train step `(state, x, y) -> (state, loss)` of the LM, and `init(x) -> state`.
 
     With `compute_dtype`, the parameters are cast to it for the forward and backward pass
     (as `Trainer(compute_dtype=...)` does) and the logits back to float32 for the loss.
     """
-    module, tx = model(), optimizer()
+    module, tx = model(shape), optimizer()
 
     def step(state, x, y):
         params, opt_state = state
@@ -128,8 +169,10 @@ def _step(compute_dtype: Any = None) -> tuple[Callable, Callable]:
     return step, init
 
 
-def hand_written(batches: Sequence[Batch], steps: int, compute_dtype: Any = None) -> Run:
-    step, init = _step(compute_dtype)
+def hand_written(
+    batches: Sequence[Batch], steps: int, compute_dtype: Any = None, shape: Shape = DEFAULT
+) -> Run:
+    step, init = _step(compute_dtype, shape)
     return _cycle(jax.jit(step, donate_argnums=0), init(batches[0][1][0]), batches, steps, None)
 
 
@@ -142,9 +185,9 @@ def stacked(batches: Sequence[Batch]) -> list[tuple[jax.Array, jax.Array]]:
     return chunks
 
 
-def hand_written_scan(batches: Sequence[Batch], steps: int) -> Run:
+def hand_written_scan(batches: Sequence[Batch], steps: int, shape: Shape = DEFAULT) -> Run:
     """K steps a dispatch: `jax.jit(lax.scan(step))`, donated state, pre-stacked data."""
-    step, init = _step()
+    step, init = _step(shape=shape)
 
     def steps_fn(state, xs, ys):
         return jax.lax.scan(lambda state, xy: step(state, *xy), state, (xs, ys))
@@ -168,9 +211,9 @@ def hand_written_scan(batches: Sequence[Batch], steps: int) -> Run:
 # -- loopax -------------------------------------------------------------------------------
 
 
-def trainer(compute_dtype: Any = None) -> loopax.Trainer:
+def trainer(compute_dtype: Any = None, shape: Shape = DEFAULT) -> loopax.Trainer:
     return loopax.Trainer(
-        model(),
+        model(shape),
         losses.sparse_categorical_crossentropy_logits,
         optimizer(),
         devices=jax.devices()[:1],
@@ -182,11 +225,19 @@ def on_device(batches: Sequence[Batch]) -> loopax.ArrayDataset:
     """The batches, in order, as an on-device `ArrayDataset` that loops."""
     x = np.concatenate([np.asarray(b[1][0]) for b in batches])
     y = np.concatenate([np.asarray(b[2][0]) for b in batches])
-    return loopax.ArrayDataset(x, y, BATCH, shuffle=False, loop_forever=True, on_device=True)
+    batch = len(batches[0][1][0])
+    return loopax.ArrayDataset(x, y, batch, shuffle=False, loop_forever=True, on_device=True)
 
 
-def loopax_loop(batches: Sequence[Batch], steps: int, k: int = 1, compute_dtype: Any = None) -> Run:
-    loop = loopax.Loop(trainer(compute_dtype), steps_per_execution=k)
+def loopax_loop(
+    batches: Sequence[Batch],
+    steps: int,
+    k: int = 1,
+    compute_dtype: Any = None,
+    shape: Shape = DEFAULT,
+) -> Run:
+    """The Loop over the batches, per step or `k` steps fused (on-device data)."""
+    loop = loopax.Loop(trainer(compute_dtype, shape), steps_per_execution=k)
     dataset = CyclingDataset(batches) if k == 1 else on_device(batches)
     loop.run_steps(dataset, k)  # compiles
 
@@ -253,25 +304,25 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def compile_worker(kind: str) -> dict:
-    """Runs candidate `kind` twice over `COMPILE_STEPS` steps; its compile figures."""
-    batches = make_batches()
+def compile_worker(kind: str, shape: Shape = DEFAULT, launched: float | None = None) -> dict:
+    """Runs candidate `kind` twice over `COMPILE_STEPS` steps; its compile figures.
+
+    The first run's first dispatch (one step; K steps fused or scanned) is timed on its own
+    as the time to first step: from before the state and the first program are built to
+    that dispatch's loss, and from `launched` (the parent's `time.time()` before it started
+    this process: imports and backend start included) when given.
+    """
+    batches = make_batches(shape=shape)
     infos: list[Any] = []
-
-    def hand_run(stepping: Callable, state: Any, chunks: list, count: int) -> Callable[[], Any]:
-        def run() -> None:
-            nonlocal state
-            out = None
-            for index in range(count):
-                state, out = stepping(state, *chunks[index % len(chunks)])
-            jax.block_until_ready(out)
-
-        return run
+    bf16 = kind.endswith("_bf16")
+    compute_dtype = jnp.bfloat16 if bf16 else None
+    kind = kind.removesuffix("_bf16")
+    first_count = K if kind in ("scan", "fused") else 1
 
     parts: dict[str, float] = {}
     started = time.perf_counter()
     if kind in ("hand", "scan"):
-        step, init = _step()
+        step, init = _step(compute_dtype, shape)
         state = jax.block_until_ready(init(batches[0][1][0]))
         parts["init"] = time.perf_counter() - started
         if kind == "hand":
@@ -287,30 +338,92 @@ def compile_worker(kind: str) -> dict:
         compiling = time.perf_counter()
         stepping = stepping.lower(state, *chunks[0]).compile()
         parts["step"] = time.perf_counter() - compiling
-        run = hand_run(stepping, state, chunks, count)
+        position = 0  # the next dispatch's chunk
+
+        def dispatch(count: int) -> None:
+            nonlocal state, position
+            out = None
+            for _ in range(count):
+                state, out = stepping(state, *chunks[position % len(chunks)])
+                position += 1
+            jax.block_until_ready(out)
+
+        def first_run() -> None:
+            dispatch(1)
+
+        def rest() -> None:
+            dispatch(count - 1)
+
+        def run() -> None:
+            dispatch(count)
     else:
         fused = kind == "fused"
-        loop = loopax.Loop(trainer(), steps_per_execution=K if fused else 1)
+        loop = loopax.Loop(trainer(compute_dtype, shape), steps_per_execution=K if fused else 1)
         loop.trainer.on_exec_creation(infos.append)
         if fused:
             hooks.every_n_steps(loop, COMPILE_HOOK_EVERY, "cut", lambda loop, metrics: None)
         dataset = on_device(batches) if fused else CyclingDataset(batches)
 
+        def first_run() -> None:
+            loop.run_steps(dataset, first_count)["loss"].block_until_ready()
+
+        def rest() -> None:
+            loop.run_steps(dataset, COMPILE_STEPS - first_count)["loss"].block_until_ready()
+
         def run() -> None:
             loop.run_steps(dataset, COMPILE_STEPS)["loss"].block_until_ready()
 
-    run()
+    first_run()
+    first_step = time.perf_counter() - started
+    from_launch = None if launched is None else time.time() - launched
+    rest()
     first = time.perf_counter() - started
     started = time.perf_counter()
     run()
     again = time.perf_counter() - started
     return {
         "waited": first - again,
+        "first_step": first_step,
+        "first_steps": first_count,
+        "from_launch": from_launch,
         "programs": len(infos),
         "compile_seconds": sum(info.compile_seconds for info in infos),
         "peak_mb": peak_memory_mb(),
         "parts": parts,
     }
+
+
+def run_compile_worker(
+    kind: str, shape: Shape, env: dict[str, str], timeout: float | None = None
+) -> tuple[dict | None, str]:
+    """`compile_worker(kind, shape)` in a fresh process; its figures, or None and why not."""
+    command = [sys.executable, __file__, "--compile-worker", kind]
+    command += [json.dumps(dataclasses.asdict(shape)), repr(time.time())]
+    try:
+        result = subprocess.run(
+            command, env=env, stdout=subprocess.PIPE, text=True, check=False, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"n/a (worker timed out after {timeout:.0f} s)"
+    lines = [line for line in result.stdout.splitlines() if line.startswith("LM-JSON ")]
+    if not lines:
+        return None, f"n/a (worker failed with exit code {result.returncode})"
+    return json.loads(lines[-1][len("LM-JSON ") :]), ""
+
+
+def describe_compile(figures: dict) -> str:
+    """One compile row's text: waited, programs or parts, first step, peak memory."""
+    if figures["programs"]:
+        programs, seconds = figures["programs"], figures["compile_seconds"]
+        reported = f"; programs: {programs}, {seconds:.2f} s compiling"
+    else:  # hand-written: the init and the step, each compiled and run once
+        reported = "; init {init:.2f} s, step compile {step:.2f} s".format(**figures["parts"])
+    first = figures.get("first_step")
+    if first is not None:
+        reported += f"; first {figures['first_steps']}-step dispatch at {first:.2f} s"
+        if figures.get("from_launch") is not None:
+            reported += f" ({figures['from_launch']:.2f} s after launch)"
+    return f"{figures['waited']:.2f} s waited{reported}; peak {figures['peak_mb']:.0f} MB"
 
 
 def compile_section() -> dict:
@@ -320,33 +433,12 @@ def compile_section() -> dict:
     env.pop("XLA_FLAGS", None)
     rows: list[tuple] = []
     for name, kind in COMPILE_CANDIDATES.items():
-        result = subprocess.run(
-            [sys.executable, __file__, "--compile-worker", kind],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-        lines = [line for line in result.stdout.splitlines() if line.startswith("LM-JSON ")]
-        if not lines:
-            rows.append((name, f"n/a (worker failed with exit code {result.returncode})"))
-            continue
-        figures = json.loads(lines[-1][len("LM-JSON ") :])
-        if figures["programs"]:
-            reported = (
-                f"; programs: {figures['programs']}, {figures['compile_seconds']:.2f} s compiling"
-            )
-        else:  # hand-written: the init and the step, each compiled and run once
-            reported = "; init {init:.2f} s, step compile {step:.2f} s".format(**figures["parts"])
-        rows.append(
-            (
-                name,
-                f"{figures['waited']:.2f} s waited{reported}; peak {figures['peak_mb']:.0f} MB",
-            )
-        )
+        figures, why = run_compile_worker(kind, DEFAULT, env)
+        rows.append((name, why) if figures is None else (name, describe_compile(figures)))
     return {
         "title": f"lm, fresh processes, caches off: seconds a {COMPILE_STEPS}-step run spent "
-        "compiling and creating state (less the same steps compiled), peak host memory",
+        "compiling and creating state (less the same steps compiled), time to its first "
+        "dispatch's loss, peak host memory",
         "rows": rows,
         "header": False,
     }
@@ -357,8 +449,10 @@ def sections(quick: int, rounds: int, on_round: Callable[[int], None] | None = N
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--compile-worker":
-        print("LM-JSON " + json.dumps(compile_worker(sys.argv[2])), flush=True)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--compile-worker":
+        shape = Shape(**json.loads(sys.argv[3])) if len(sys.argv) > 3 else DEFAULT
+        launched = float(sys.argv[4]) if len(sys.argv) > 4 else None
+        print("LM-JSON " + json.dumps(compile_worker(sys.argv[2], shape, launched)), flush=True)
     else:
         import run_all
 

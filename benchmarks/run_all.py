@@ -79,9 +79,17 @@ Every candidate of a comparison runs once per round, in an order that rotates fr
 to round; a ratio is the median over rounds of the paired per-round ratio of steps/s
 (> 1: faster than the reference), "±" is half the interquartile range of those ratios.
 
+The device benchmark (issue 33, `bench_device.py`): `--device` measures on JAX's default
+backend (a GPU where there is one; `JAX_PLATFORMS` respected) loopax against hand-written
+loops per step and fused, the digits main job and the transformer LM at GPU size, sized by
+`--size` (auto: full on an accelerator, a few-minute smoke run on the CPU);
+`benchmarks/device_run.sh OUTDIR` runs it with the accelerator-safe tests in one go.
+
 Run: python benchmarks/run_all.py [--quick]
        [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend,lm,ema]
        [--rounds N]
+     python benchmarks/run_all.py --device [--size auto|small|full] [--json PATH]
+       [--only tiny,fused,enqueue,digits,lm-compile,lm] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -779,11 +787,11 @@ def target_of(section: str, label: str, ratio: float, spread: float, targets: di
     return ""
 
 
-def print_table(sections: list[tuple[str, dict]], started: float, load_before: tuple) -> None:
+def print_header(load_before: tuple, title: str = "loopax benchmark suite") -> None:
     import jax  # noqa: PLC0415
 
     print()
-    print("loopax benchmark suite")
+    print(title)
     print(f"date:     {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(f"machine:  {machine()}")
     load_after = os.getloadavg()
@@ -800,44 +808,120 @@ def print_table(sections: list[tuple[str, dict]], started: float, load_before: t
         "ratio:    steps/s relative to the section's reference (first row), median of paired "
         "per-round ratios, ± half their interquartile range"
     )
+
+
+def print_section(key: str, section: dict) -> None:
     width = 48
-    for key, section in sections:
-        print()
-        print(section["title"])
-        unit = section.get("unit", "steps/s")
-        reference = section.get("reference")
-        if section.get("header", True):
-            print(f"  {'':{width}} {unit:>9}  {'ratio':>13}  target")
-        for row in section["rows"]:
-            if len(row) == 2:
-                print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
-                continue
-            label, rate, ratio, spread = row
-            ratio_text = (
-                f"{ratio:.3f} ± {spread:.3f}"
-                if label not in (REFERENCE, DEVICE_REFERENCE, reference)
-                else "1 (reference)"
-            )
-            print(
-                f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
-                f"{target_of(key, label, ratio, spread, section.get('targets', {}))}"
-            )
-        for label, ratio, spread, target in section.get("pairs", ()):
+    print()
+    print(section["title"])
+    unit = section.get("unit", "steps/s")
+    reference = section.get("reference")
+    if section.get("header", True):
+        print(f"  {'':{width}} {unit:>9}  {'ratio':>13}  target")
+    for row in section["rows"]:
+        if len(row) == 2:
+            print(f"  {row[0]:{width}} {'':>9}  {row[1]}")
+            continue
+        label, rate, ratio, spread = row
+        ratio_text = (
+            f"{ratio:.3f} ± {spread:.3f}"
+            if label not in (REFERENCE, DEVICE_REFERENCE, reference)
+            else "1 (reference)"
+        )
+        print(
+            f"  {label:{width}} {rate:9.0f}  {ratio_text:>13}  "
+            f"{target_of(key, label, ratio, spread, section.get('targets', {}))}"
+        )
+    for label, ratio, spread, target in section.get("pairs", ()):
+        text = f"{ratio:.3f} ± {spread:.3f}"
+        goal = f">= {target}  {mark(ratio >= target)}" if target is not None else ""
+        print(f"  {label:{width}} {'':>9}  {text:>13}  {goal}")
+    if key == "tiny":
+        versus = section.get("readme_vs_keras")
+        for fed, ratio, spread in versus or ():
+            label = f"README hooks vs Keras fit, spe=1, {fed}"
             text = f"{ratio:.3f} ± {spread:.3f}"
-            goal = f">= {target}  {mark(ratio >= target)}" if target is not None else ""
-            print(f"  {label:{width}} {'':>9}  {text:>13}  {goal}")
-        if key == "tiny":
-            versus = section.get("readme_vs_keras")
-            for fed, ratio, spread in versus or ():
-                label = f"README hooks vs Keras fit, spe=1, {fed}"
-                text = f"{ratio:.3f} ± {spread:.3f}"
-                print(f"  {label:{width}} {'':>9}  {text:>13}  >= 2.5  {mark(ratio >= 2.5)}")
-            if not versus:
-                label = "README hooks vs Keras fit, spe=1"
-                why = section.get("readme_missing") or "n/a (needs the README and Keras rows)"
-                print(f"  {label:{width}} {'':>9}  {why}")
+            print(f"  {label:{width}} {'':>9}  {text:>13}  >= 2.5  {mark(ratio >= 2.5)}")
+        if not versus:
+            label = "README hooks vs Keras fit, spe=1"
+            why = section.get("readme_missing") or "n/a (needs the README and Keras rows)"
+            print(f"  {label:{width}} {'':>9}  {why}")
+
+
+def print_table(sections: list[tuple[str, dict]], started: float, load_before: tuple) -> None:
+    print_header(load_before)
+    for key, section in sections:
+        print_section(key, section)
     print()
     print(f"total time: {time.perf_counter() - started:.0f} s")
+
+
+def unmeasured_rows(sections: list[tuple[str, dict]]) -> list[str]:
+    return [
+        f"{section['title']}: {row[0]}: {row[1]}"
+        for _, section in sections
+        for row in section["rows"]
+        if len(row) == 2 and str(row[1]).startswith("n/a")
+    ]
+
+
+def device_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`--device`: the device benchmark (`bench_device.py`), each section printed when measured."""
+    # This process and the ones it starts (digits, the LM's fresh compiles) share one GPU:
+    # none takes 75% of its memory up front (JAX reads this when its backend starts).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import bench_device  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    only = set(bench_device.SECTIONS)
+    if args.only is not None:
+        only = {part.strip() for part in args.only.split(",") if part.strip()}
+        unknown = only - set(bench_device.SECTIONS)
+        if unknown or not only:
+            parser.error(
+                "with --device, --only takes a comma-separated subset of "
+                f"{', '.join(bench_device.SECTIONS)}; got {args.only!r}"
+            )
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    size = bench_device.resolve_size(args.size)
+    print_header(load_before, title="loopax device benchmark (run_all.py --device)")
+    devices = jax.devices()
+    print(
+        f"device:   {bench_device.describe_device()}; size {size.name} "
+        f"(--size {args.size}); the targets are the issue's, for an accelerator"
+    )
+    sys.stdout.flush()
+    done: list[tuple[str, dict]] = []
+    record = {
+        "date": datetime.datetime.now().astimezone().isoformat(),
+        "machine": machine(),
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "jax": jax.__version__,
+        "size": size.name,
+        "sections": [],
+    }
+
+    def emit(key: str, section: dict) -> None:
+        done.append((key, section))
+        print_section(f"device-{key}", section)  # none of the CPU suite's targets
+        sys.stdout.flush()
+        if args.json:
+            record["sections"].append({"key": key, **section})
+            record["seconds"] = time.perf_counter() - started
+            Path(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+    bench_device.sections(args, only, emit, progress)
+    print()
+    print(
+        f"total time: {time.perf_counter() - started:.0f} s (1-minute load at the end "
+        f"{os.getloadavg()[0]:.2f})"
+    )
+    unmeasured = unmeasured_rows(done)
+    if args.strict and unmeasured:
+        sys.exit("rows not measured:\n  " + "\n  ".join(unmeasured))
 
 
 def main() -> None:
@@ -845,11 +929,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run")
     parser.add_argument(
         "--only",
-        default=",".join(SECTIONS),
+        default=None,
         help="comma-separated sections among tiny, medium, devices, keras, accumulate, fused, "
         "shuffled, fsdp, restart, runend, lm, ema (keras alone runs the Keras rows on both "
         "workloads; fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device "
-        "data, issue 25; lm: the transformer LM of examples/transformer_lm.py)",
+        "data, issue 25; lm: the transformer LM of examples/transformer_lm.py). With "
+        "--device: among tiny, fused, enqueue, digits, lm-compile, lm",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument(
@@ -858,10 +943,30 @@ def main() -> None:
         help="exit with status 1 if a row could not be measured (a worker failed, Keras "
         "missing): CI's smoke run",
     )
+    parser.add_argument(
+        "--device",
+        action="store_true",
+        help="the device benchmark (issue 33) on JAX's default backend (JAX_PLATFORMS is "
+        "respected): loopax against hand-written loops, the digits main job, the transformer "
+        "LM at --size; see bench_device.py",
+    )
+    parser.add_argument(
+        "--size",
+        choices=("auto", "small", "full"),
+        default="auto",
+        help="--device sizes: full (the issue's, for an accelerator), small (a CPU smoke run of "
+        "a few minutes), auto (full on an accelerator, small on the CPU)",
+    )
+    parser.add_argument(
+        "--json", default=None, help="--device: also write the sections measured so far here"
+    )
     parser.add_argument("--devices-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fused-devices-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.quick = int(args.quick)
+    if args.device:
+        device_main(args, parser)
+        return
     explicit_rounds = args.rounds
     if args.rounds is None:
         args.rounds = ROUNDS[args.quick]
@@ -871,6 +976,8 @@ def main() -> None:
     if args.fused_devices_worker:
         fused_devices_worker(args)
         return
+    if args.only is None:
+        args.only = ",".join(SECTIONS)
     only = {part.strip() for part in args.only.split(",") if part.strip()}
     unknown = only - set(SECTIONS)
     if unknown or not only:
@@ -923,12 +1030,7 @@ def main() -> None:
         progress("ema: starting")
         sections += bench_ema.sections(args, on_round=round_progress)
     print_table(sections, started, load_before)
-    unmeasured = [
-        f"{section['title']}: {row[0]}: {row[1]}"
-        for _, section in sections
-        for row in section["rows"]
-        if len(row) == 2 and str(row[1]).startswith("n/a")
-    ]
+    unmeasured = unmeasured_rows(sections)
     if args.strict and unmeasured:
         sys.exit("rows not measured:\n  " + "\n  ".join(unmeasured))
 

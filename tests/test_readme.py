@@ -52,6 +52,7 @@ def _train_and_evaluate(metric_class, devices):
     return float(metrics["Mean Absolute Error"]), evaluation
 
 
+@pytest.mark.cpu_devices
 def test_readme_metric_gives_the_same_result_on_one_and_four_devices(readme_metric_class):
     assert len(jax.devices()) >= 4
     train_one, eval_one = _train_and_evaluate(readme_metric_class, jax.devices()[:1])

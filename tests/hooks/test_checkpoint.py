@@ -408,6 +408,7 @@ def test_trigger_schedules_and_dataset_position_continue_after_a_resume(
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
 
 
+@pytest.mark.cpu_devices
 def test_restore_onto_one_and_four_devices(tmp_path):
     if jax.device_count() < 4:
         assert "LOOPAX_FOUR_DEVICES_RERUN" not in os.environ, jax.devices()

@@ -65,6 +65,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.cpu_devices
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_fingerprint_is_the_same_on_every_layout_and_on_the_host(layout):
     shape, specs = LAYOUTS[layout]
@@ -73,6 +74,7 @@ def test_the_fingerprint_is_the_same_on_every_layout_and_on_the_host(layout):
     assert finite == [True] * len(ARRAYS)
 
 
+@pytest.mark.cpu_devices
 def test_one_ulp_changes_the_fingerprint_and_nan_is_seen():
     moved = ARRAYS[0].copy()
     moved[3, 5] = np.nextafter(moved[3, 5], np.float32(np.inf))

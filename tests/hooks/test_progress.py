@@ -287,6 +287,7 @@ def test_lines_come_every_line_seconds_and_the_last_one_at_the_end():
     assert progress.shown_step == 12 and progress.shown_metrics == loop.host_metrics()
 
 
+@pytest.mark.cpu_devices
 def test_with_fused_steps_the_bar_shows_the_newest_finished_step_and_never_waits(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # the whole status, whatever runs the tests
     # Each step waits on the device for this gate, which the test closes while a group of

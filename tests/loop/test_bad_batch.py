@@ -229,6 +229,7 @@ def test_a_batch_that_cannot_be_read_back_is_said_to_be_unchecked():
     assert "check the data, or attach hooks.nan_guard" in message
 
 
+@pytest.mark.cpu_devices
 def test_exec_info_reports_the_predictions_shapes():
     infos = []
     trainer = classification(devices=jax.devices()[:4])

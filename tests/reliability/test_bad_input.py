@@ -236,6 +236,7 @@ def test_a_checkpoint_directory_holding_other_files(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "my notes"
 
 
+@pytest.mark.cpu_devices
 def test_a_train_batch_not_divisible_by_the_device_count(checkpointed):
     _, directory, saved = checkpointed
     assert len(jax.devices()) == 4, "tests/conftest.py makes 4 CPU devices visible"

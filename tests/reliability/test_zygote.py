@@ -11,6 +11,8 @@ import textwrap
 import pytest
 from zygote import Zygote
 
+pytestmark = pytest.mark.cpu_devices  # children with simulated CPU device counts
+
 SCRIPT = textwrap.dedent(
     """
     import atexit, os, signal, sys, threading, time

@@ -167,6 +167,7 @@ def test_bad_decays_are_refused():
             make_trainer(ema_decay=bad)
 
 
+@pytest.mark.cpu_devices  # a mesh over 4 devices
 def test_on_a_mesh_the_average_is_sharded_like_the_parameters():
     def wide(ctx, spec, inputs):
         return nn.Dense(1)(nn.relu(nn.Dense(16)(inputs[0])))

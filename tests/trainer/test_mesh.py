@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 import loopax
 from loopax import metrics
 
+pytestmark = pytest.mark.cpu_devices  # meshes over 4 devices: not on one GPU (--accelerator)
+
 MESHES = [{"data": 1, "model": 1}, {"data": 4, "model": 1}, {"data": 2, "model": 2},
           {"data": 1, "model": 4}]  # fmt: skip
 RULES = [("embed", None), ("mlp", "model")]

@@ -123,6 +123,7 @@ def assert_close(actual, expected):
     assert actual["global_step"] == expected["global_step"]
 
 
+@pytest.mark.cpu_devices
 @pytest.mark.parametrize("parallel", ["shard_map", "pmap"])
 @pytest.mark.parametrize("batch_size", [8, 24])  # 24: 2 batches an epoch, groups span epochs
 def test_four_devices(parallel, batch_size):
@@ -200,6 +201,7 @@ def test_at_most_log2_k_plus_one_executables(k):
     assert all(count & (count - 1) == 0 and count <= k for count in counts)
 
 
+@pytest.mark.cpu_devices
 @pytest.mark.parametrize("k", [1, 8])
 @pytest.mark.parametrize(("held", "used"), [(4, 1), (1, 4)])
 def test_data_on_other_devices_is_refused_before_any_step(k, held, used):

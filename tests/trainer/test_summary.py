@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 
 import loopax
 from loopax import hooks
@@ -37,6 +38,7 @@ def test_every_parameter_with_shape_dtype_count_and_bytes_then_the_totals():
     assert any(line.startswith("(state) batch_stats/BatchNorm_0/mean") for line in lines)
 
 
+@pytest.mark.cpu_devices  # a mesh over 4 devices
 def test_on_a_mesh_each_parameter_shows_its_spec_and_bytes_per_device():
     text = trained(mesh={"data": 4}, fsdp=True, devices=None).summary()
     assert "partition spec" in text and "bytes per device" in text
