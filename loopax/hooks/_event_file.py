@@ -23,6 +23,7 @@ from typing import Any
 _CRC32C_POLYNOMIAL = 0x82F63B78  # Castagnoli, reflected
 _MASK_DELTA = 0xA282EAD8
 _FILE_VERSION = "brain.Event:2"
+_PREFIX = "events.out.tfevents."
 _uids = itertools.count()  # files opened in one second by one process differ, in order
 
 
@@ -67,6 +68,26 @@ def record(data: bytes) -> bytes:
     )
 
 
+def _name_after_existing(logdir: str, stamp: int) -> str:
+    """A new event file's name that sorts after every event file already in `logdir`.
+
+    Readers apply a directory's files in name order, and a resumed run's restart marker only
+    works after the points it drops. Two processes in one second are ordered by pid, which
+    wraps (pid_max is often 32768): a later process's file would then sort first. Its time
+    is put past the newest file's instead.
+    """
+    existing = [name for name in os.listdir(logdir) if name.startswith(_PREFIX)]
+    for name in existing:
+        stamp_text = name[len(_PREFIX) :].split(".", 1)[0]
+        if stamp_text.isdigit():
+            stamp = max(stamp, int(stamp_text))
+    uid = next(_uids)
+    name = f"{_PREFIX}{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{uid:06d}"
+    if existing and name <= max(existing):
+        name = f"{_PREFIX}{stamp + 1:010d}.{socket.gethostname()}.{os.getpid()}.{uid:06d}"
+    return name
+
+
 class EventFile:
     """An event file in `logdir`, opened (with its version event) at construction.
 
@@ -80,10 +101,7 @@ class EventFile:
 
     def __init__(self, logdir: str, event_pb2: Any):
         os.makedirs(logdir, exist_ok=True)
-        name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.{next(_uids):06d}"
-        )
+        name = _name_after_existing(logdir, int(time.time()))
         self.path = os.path.join(logdir, name)
         self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
         self.add(event_pb2.Event(wall_time=time.time(), file_version=_FILE_VERSION))

@@ -415,3 +415,19 @@ def test_the_run_summary_lists_the_model_s_other_variables(tmp_path):
     assert "| variable | shape | dtype | count |" in text
     assert "| batch_stats/BatchNorm_0/mean | (8,) | float32 | 8 |" in text
     assert "| batch_stats/BatchNorm_0/var | (8,) | float32 | 8 |" in text
+
+
+def test_a_later_process_s_event_file_sorts_after_the_earlier_ones(tmp_path):
+    # Readers apply a directory's files in name order (time, host, pid, count), and a resumed
+    # run's restart marker only drops points written before it. Two processes in one second
+    # are ordered by pid, which wraps (pid_max is often 32768): here the earlier process got
+    # a larger pid, and a clock a second ahead, than the one that writes next.
+    run_logged(tmp_path, steps=2, every_n_steps=1, summary=False)
+    [first] = (tmp_path / "train").iterdir()
+    stamp = int(first.name.split(".")[3]) + 1
+    earlier = first.with_name(f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.99999.0")
+    first.rename(earlier)
+    run_logged(tmp_path, steps=2, every_n_steps=1, summary=False)
+    names = sorted(path.name for path in (tmp_path / "train").iterdir())
+    assert len(names) == 2
+    assert names[0] == earlier.name  # the second process's file is read after it
