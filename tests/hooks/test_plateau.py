@@ -280,7 +280,7 @@ def test_an_optimizer_built_for_the_parameters_is_checked_at_the_first_step():
     with pytest.raises(
         loopax.HookError,
         match="OnStep hook 'reduce_lr_on_plateau.*failed at "
-        "step 0: ValueError: .*keeps no learning rate in its state",
+        r"step 0 \(global step 1\): ValueError: .*keeps no learning rate in its state",
     ) as raised:
         loop.run_steps(train_data(), 3)
     assert isinstance(raised.value.__cause__, ValueError)

@@ -106,16 +106,19 @@ def test_a_model_function_returning_none():
         loopax.Loop(trainer).run_steps(make_data(), 1)
 
 
-def test_a_loss_function_returning_a_tuple():
+def test_a_loss_function_returning_a_tuple_other_than_loss_and_aux():
+    # `(loss, {name: value})` is a loss with auxiliary outputs (tests/trainer/
+    # test_loss_aux_and_grad_norm.py); a pair whose second part is no dict is refused, naming
+    # the forms a loss function may return.
     def loss_and_extras(labels, predictions):
         error = (labels[0] - predictions[0]) ** 2
-        return error.mean(), {"max_error": error.max()}
+        return error.mean(), error.max()
 
     trainer = new_trainer(loss_and_extras)
     with pytest.raises(
         TypeError,
-        match=r"loss function 'loss_and_extras' returned a tuple; it "
-        r"must return one array",
+        match=r"loss function 'loss_and_extras' returned a tuple; it must return one array: "
+        r"the loss, or per-example losses \(they are averaged\), or a pair \(loss, \{name: value",
     ):
         loopax.Loop(trainer).run_steps(make_data(), 1)
 
