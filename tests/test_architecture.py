@@ -23,6 +23,7 @@ FLOORS = {
     "_validate": 0,
     "_public": 0,
     "_compilation_cache": 0,
+    "_distributed": 0,
     "_warnings": 0,
     "metrics": 1,
     "losses": 1,
@@ -234,3 +235,18 @@ def test_every_public_name_resolves_without_warnings(package):
         for name in module.__all__:
             assert getattr(module, name) is not None, name
     assert list(module.__all__) == sorted(module.__all__)
+
+
+def test_only_one_module_reads_jax_private_state():
+    # JAX's private modules change without notice: loopax reads them in one place.
+    readers = []
+    for path, tree in modules():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name == "jax._src" or name.startswith("jax._src.") for name in names):
+                readers.append(str(path.relative_to(PACKAGE.parent)))
+    assert set(readers) == {"loopax/_distributed.py"}, readers

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._distributed import coordination_client, coordinator_address
 from ._lost_report import (
     LOST_PROCESS_EXIT,
     Lost,
@@ -80,7 +81,7 @@ class Heartbeat:
     interpreter exits) is not waited for.
 
     Args:
-      client: JAX's distributed client (`jax._src.distributed.global_state.client`).
+      client: JAX's distributed client (`loopax._distributed.coordination_client()`).
       process: this process's index.
       count: how many processes.
       timeout: seconds of silence after which a process is lost.
@@ -338,9 +339,7 @@ class LostProcessWatch:
         """
         if len({device.process_index for device in devices}) < 2:
             return contextlib.nullcontext()
-        from jax._src.distributed import global_state  # noqa: PLC0415
-
-        client = global_state.client
+        client = coordination_client()
         if client is None:
             return contextlib.nullcontext()
         if cls._current is None or not cls._current.heartbeat.beats_into(client):
@@ -353,9 +352,9 @@ class LostProcessWatch:
                     jax.process_count(),
                     lost_process_timeout(),
                     lambda lost: watch.end(lost, report=True),
-                    connected=lambda: global_state.client is client,
+                    connected=lambda: coordination_client() is client,
                 ),
-                global_state.coordinator_address,
+                coordinator_address(),
             )
             watch.heartbeat.start()
             atexit.register(_stop_at_exit, watch.heartbeat)  # before JAX's shutdown (LIFO)

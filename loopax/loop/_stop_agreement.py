@@ -12,6 +12,7 @@ import json
 import threading
 from typing import Any
 
+from .._distributed import coordination_client
 from ..trainer._trainer import Trainer
 
 # The coordinated runs of this process, counted in the order they start: every process of a
@@ -80,7 +81,7 @@ class StopAgreement:
     reads an attribute rather than asking the service (~200 µs a round trip).
 
     Args:
-      client: JAX's distributed client (`jax._src.distributed.global_state.client`).
+      client: JAX's distributed client (`loopax._distributed.coordination_client()`).
       process: this process's index.
       margin: steps from a proposer's step to the stop step.
       key: the run's key in the store, the same on every process and new for every run.
@@ -102,9 +103,7 @@ class StopAgreement:
         """An agreement for a run of `trainer` whose devices span processes; else None."""
         if len({device.process_index for device in trainer.devices}) < 2:
             return None
-        from jax._src.distributed import global_state  # noqa: PLC0415
-
-        client = global_state.client
+        client = coordination_client()
         if client is None:
             return None
         import jax  # noqa: PLC0415

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._distributed import coordination_client
 from ..data._datasets import as_list
 
 # Evaluations of this process that agreed through the coordination service, counted in the
@@ -158,9 +159,7 @@ def _describe(batch: Batch) -> str:
 
 def _share_template(key: str, sizes: np.ndarray, template: Batch | None) -> Batch:
     """The first process with a batch sends its shapes; a process with none receives them."""
-    from jax._src.distributed import global_state  # noqa: PLC0415
-
-    client = global_state.client
+    client = coordination_client()
     assert client is not None, "processes whose devices work together run jax.distributed"
     sender = int(np.flatnonzero(sizes)[0])
     if jax.process_index() == sender:

@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from ..._distributed import coordination_client
+
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
@@ -24,9 +26,7 @@ class CoordinationError(RuntimeError):
 
 
 def _client() -> Any:
-    from jax._src import distributed  # noqa: PLC0415  (only with several processes)
-
-    client = distributed.global_state.client
+    client = coordination_client()
     if client is None:
         raise RuntimeError(
             f"this is process {jax.process_index()} of {jax.process_count()}, but "
