@@ -7,6 +7,7 @@ handing each new value of the key to the hook exactly once (resumes included).
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import numbers
 from typing import Any
@@ -15,6 +16,7 @@ from .. import _warnings
 from ..loop import Evaluation, Loop
 from ..loop._internal import train_key
 from ..trainer import Trainer
+from ._aux_keys import awaits_aux_names, check_at_first_step
 from ._metric_info import describe_key, split_eval_key
 
 MODES = ("auto", "min", "max")
@@ -33,7 +35,8 @@ def check_number(hook: str, argument: str, value: Any, *, minimum: float | None 
 def resolve_monitor(trainer: Trainer, monitor: Any, hook: str) -> tuple[str | None, str]:
     """`(dataset, metric)` of an `"eval/<dataset>/<metric>"` key, or of a `"train/<metric>"` key.
 
-    A `"train/<metric>"` key gives `(None, metric)`; the metric must be one of the trainer's.
+    A `"train/<metric>"` key gives `(None, metric)`; the metric must be one of the trainer's
+    (`MetricMonitor` checks a loss's auxiliary output's after the first step, when it is known).
 
     Raises:
       ValueError: `monitor` names none of them; the message lists the valid keys.
@@ -111,7 +114,12 @@ class MetricMonitor(abc.ABC):
     def __init__(self, loop: Loop, hook: str, monitor: Any, mode: Any, min_delta: float):
         if not isinstance(loop, Loop):
             raise TypeError(f"{hook} needs a loopax.Loop, got {type(loop).__name__}")
-        self.dataset, self.metric = resolve_monitor(loop.trainer, monitor, hook)
+        if awaits_aux_names(loop.trainer, monitor):  # a loss's aux output, known once compiled
+            self.dataset, self.metric = None, monitor[len("train/") :]
+            check = functools.partial(resolve_monitor, loop.trainer, monitor, hook)
+            check_at_first_step(loop, f"{hook}({monitor})", check)
+        else:
+            self.dataset, self.metric = resolve_monitor(loop.trainer, monitor, hook)
         self.monitor: str = monitor
         self.mode = resolve_mode(loop.trainer, monitor, mode, hook)
         self.min_delta = check_number(hook, "min_delta", min_delta)

@@ -88,6 +88,9 @@ class NanGuard:
     def _escalate(self, loop: Loop) -> None:
         first = self._last_skipped - self.consecutive + 1
         streak = f"{self.consecutive} steps in a row (steps {first} to {self._last_skipped})"
+        rate_problem = _non_finite_rate(loop, first, streak)
+        if rate_problem is not None:  # neither a rollback nor a lower rate can help
+            raise NonFiniteLossError(rate_problem, first)
         if not self.rollback:
             raise NonFiniteLossError(
                 f"the loss or gradient was not finite for {streak}, and nan_guard stops after "
@@ -130,6 +133,32 @@ class NanGuard:
         self.consecutive, self._last_skipped = 0, -2
         if rates:
             set_trainer_learning_rates(loop.trainer, [rate * self.lr_factor for rate in rates])
+
+
+def _non_finite_rate(loop: Loop, first: int, streak: str) -> str | None:
+    """The message for skipped steps while the optimizer's learning rate is not finite, or None.
+
+    The rate kept in the optimizer state (set with `set_learning_rate`, or injected) is the
+    one every step used: when it is NaN or infinite, the update before loop step `first`
+    made the parameters non-finite and every step since is skipped. A rollback would go on
+    with the same rate (scaled by `lr_factor`, still not finite): the rate is named first,
+    with the one fix that applies, as the loop's own non-finite check names it.
+    """
+    try:
+        rates = trainer_learning_rates(loop.trainer)
+    except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
+        return None
+    bad = [rate for rate in rates if not math.isfinite(rate)]
+    if not bad:
+        return None
+    return (
+        f"the learning rate is {bad[0]} at step {first - 1} (global step {first}): the "
+        f"optimizer's learning rate is {bad[0]} (a value set with set_learning_rate, or "
+        "injected so). That step's update made the parameters non-finite, so the loss or "
+        f"gradient was not finite for {streak}, and nan_guard stops: skipping or rolling back "
+        "goes on with the same rate. Set a finite learning rate; a lower learning rate, "
+        "clipped gradients or hooks.nan_guard cannot help with it"
+    )
 
 
 def nan_guard(

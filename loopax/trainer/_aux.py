@@ -59,6 +59,18 @@ def aux_outputs(loss_name: str, aux: Mapping[Any, Any], taken: tuple[str, ...]) 
     return result
 
 
+def may_return_aux(loss_fn: Any) -> bool:
+    """Whether `loss_fn` may return auxiliary outputs, which only a trace of it shows.
+
+    No loss function (the model adds its losses) returns none, nor does any of
+    `loopax.losses`: each returns one array, as that package documents.
+    """
+    if loss_fn is None:
+        return False
+    module = getattr(loss_fn, "__module__", None) or ""
+    return not (module == "loopax.losses" or module.startswith("loopax.losses."))
+
+
 def aux_names(previous: tuple[str, ...], aux: Mapping[str, Any]) -> tuple[str, ...]:
     """The names of the auxiliary outputs a train step returns, checked against `previous`.
 

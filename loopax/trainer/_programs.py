@@ -14,6 +14,7 @@ import numpy as np
 from ..data._datasets import as_list
 from ..data._reader import Dispatch, OnDevice, OneStep, Stacked, with_count
 from . import _background
+from ._aux import may_return_aux
 from ._creation import Model, StateCreator
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
@@ -85,10 +86,26 @@ class Programs:
         """
         return self.steps.train_keys + self.steps.aux_names
 
+    @property
+    def aux_names(self) -> tuple[str, ...] | None:
+        """The loss function's auxiliary output names; None while no train step was traced.
+
+        () at once where there can be none: no loss function (only `ctx.add_loss`), or one
+        of `loopax.losses`.
+        """
+        steps = self.steps
+        if steps.aux_traced or not may_return_aux(steps.config.loss_fn):
+            return steps.aux_names
+        return None
+
     def configure(self, **changes: Any) -> None:
-        """Rebuilds the step bodies with `changes` to their config; drops compiled programs."""
+        """Rebuilds the step bodies with `changes` to their config; drops compiled programs.
+
+        The loss function's auxiliary output names carry over: the loss function is the same.
+        """
         config = dataclasses.replace(self.steps.config, **changes)
-        self.steps = StepBuilder(self._model.adapted, config)
+        previous, self.steps = self.steps, StepBuilder(self._model.adapted, config)
+        self.steps.aux_names, self.steps.aux_traced = previous.aux_names, previous.aux_traced
         self._cache.clear()
         self._creator.cancel()
 

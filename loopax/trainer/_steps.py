@@ -114,6 +114,7 @@ class StepBuilder:
         the train step has been traced.
       aux_names: the names of the loss function's auxiliary outputs (`(loss, {name:
         value})`), in its order; known once a train step is traced, () before.
+      aux_traced: whether a train step was traced, so that `aux_names` is known.
       eval_keys: the eval step's: `"mean_loss"`, then the user's.
       train_state_keys: the keys of `TrainState.train_metrics`, in the order of its
         metrics: `"moving_average_loss"`, then the user's compiled ones (a host metric's
@@ -137,6 +138,7 @@ class StepBuilder:
             train_keys = (*train_keys, GRAD_NORM, UPDATE_NORM)
         self.train_keys: tuple[str, ...] = train_keys
         self.aux_names: tuple[str, ...] = ()
+        self.aux_traced = False
         self.eval_keys: tuple[str, ...] = (MEAN_LOSS, *config.eval_order)
         self.train_state_keys: tuple[str, ...] = (
             MOVING_AVERAGE_LOSS,
@@ -354,6 +356,7 @@ class StepBuilder:
             user_states = self._update_metrics(self._user_states(state), labels, predictions)
             host_values = None
         self.aux_names = aux_names(self.aux_names, aux)
+        self.aux_traced = True
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = config.optimizer.update(grads, state.opt_state, state.params)

@@ -180,6 +180,31 @@ class Trainer:
         return self._programs.metric_names
 
     @property
+    def loss_aux_names(self) -> tuple[str, ...] | None:
+        """The names of the loss function's auxiliary outputs (`(loss, {name: value})`), in order.
+
+        Each is the train metric `name` (`"train/<name>"` in logs). A trace of the loss function
+        shows them: None until the first train step is compiled (`train_metric_names` lacks them
+        until then); () when it returns none, and at once for a `loss_fn` of `loopax.losses` or
+        a trainer without one (neither returns any).
+
+        Example:
+          >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn
+          >>> def loss_fn(labels, predictions):
+          ...     error = jnp.mean((labels[0] - predictions[0]) ** 2)
+          ...     return error, {"rmse": jnp.sqrt(error)}
+          >>> trainer = Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]), loss_fn, optax.sgd(0.1),
+          ...     devices=jax.devices()[:1])
+          >>> print(trainer.loss_aux_names)
+          None
+          >>> x = np.ones((4, 3), np.float32)
+          >>> _ = trainer.train_step(None, [x], [x[:, :1]])
+          >>> trainer.loss_aux_names, trainer.train_metric_names
+          (('rmse',), ('loss', 'moving_average_loss', 'rmse'))
+        """
+        return self._programs.aux_names
+
+    @property
     def train_metric_state_names(self) -> tuple[str, ...]:
         """The keys of `state.train_metrics`: the loss average's, then the compiled metrics'.
 

@@ -277,3 +277,33 @@ def test_a_gradient_still_not_finite_at_the_smallest_scale_is_not_an_overflow(tm
     # Loop steps 2-16 overflowed at the scales 2**15 down to 2; from 17 on, at 1, they count.
     assert guard.skipped_steps[:3] == [17, 18, 19]
     assert dict(loop.history["train/overflow_steps"])[15] == 13
+
+
+# -- a learning rate that is not finite ------------------------------------------------------
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_non_finite_learning_rate_is_named_first_with_the_one_fix_that_applies(
+    tmp_path, rollback
+):
+    # The rate set to NaN after the checkpoint of step 5: the update of loop step 6 makes the
+    # parameters NaN, and every step from 7 on is skipped. Neither a rollback (it would go on
+    # with the same rate, times lr_factor) nor a lower rate can help: nan_guard says so.
+    loop = make_loop(tmp_path, checkpoint=rollback, optimizer=loopax.optimizers.adam(0.01))
+    guard = hooks.nan_guard(loop, max_skips=2, rollback=rollback)
+
+    def poison_the_rate(loop, metrics):
+        if loop.trainer.global_step == 6:
+            loop.trainer.set_learning_rate(float("nan"))
+
+    loop.on_step("poison the rate", poison_the_rate)
+    with pytest.raises(loopax.NonFiniteLossError) as raised:
+        loop.run_steps(PoisonedDataset(), 30)
+    message = str(raised.value)
+    assert message.startswith(
+        "the learning rate is nan at step 6 (global step 7): the optimizer's learning rate is "
+        "nan (a value set with set_learning_rate, or injected so)"
+    ), message
+    assert "Set a finite learning rate" in message and "steps 7 to" in message
+    assert "Lower the learning rate" not in message and "check the data" not in message
+    assert guard.rollbacks == 0 and guard.skipped_steps[0] == 7

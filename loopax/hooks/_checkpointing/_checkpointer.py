@@ -103,7 +103,7 @@ class Checkpointer:
         self.keep = _validate.optional_positive_int("keep", keep)
         self.keep_best = _validate.positive_int("keep_best", keep_best)
         self.keep_period = _validate.optional_positive_int("keep_period", keep_period)
-        _check_best_metric(best_metric, best_mode, self.trainer)
+        _check_best_metric(best_metric, best_mode, loop)
         self.best_metric = best_metric
         self.best_mode = best_mode
         self.directory = Path(_validate.path("directory", directory, "checkpoint: ")).absolute()
