@@ -10,6 +10,7 @@ from ..data._datasets import dataset_name as dataset_name
 from ..data._iterables import reads_a_copy as reads_a_copy
 from ..trainer._state import first_non_finite as first_non_finite
 from ..trainer._state import from_plain as from_plain
+from ..trainer._state import nest_paths as nest_paths
 from ..trainer._state import tree_paths as tree_paths
 from ._history import train_key as train_key
 from ._hook import FINISHED as FINISHED
@@ -29,6 +30,7 @@ __all__ = [
     "exit_interrupted",
     "first_non_finite",
     "from_plain",
+    "nest_paths",
     "note_checkpoint_directory",
     "reads_a_copy",
     "signal_name",

@@ -13,6 +13,16 @@ State = Any  # a pytree of arrays
 Partial = Any  # a pytree of arrays summarizing one batch (or one device's shard of it)
 
 
+def set_names(metric: Any, name: str, short_name: str | None, metric_type: str) -> None:
+    """Sets `metric`'s `name`, `short_name` (`name` when None) and `metric_type`.
+
+    Every metric's constructor names it this way, device-side or host-side.
+    """
+    metric.name = name
+    metric.short_name = name if short_name is None else short_name
+    metric.metric_type = metric_type
+
+
 def format_number(value: float) -> str:
     """Formats a scalar with 3 significant digits, GoMLX style (`0.123`, `1.23e+03`).
 

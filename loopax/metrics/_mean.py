@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._base import Metric
+from ._base import Metric, set_names
 
 
 class MeanState(NamedTuple):
@@ -165,9 +165,7 @@ class Mean(Metric):
         formatter: Callable[[Any], str] | None = None,
     ):
         check_name_and_fn(name, fn)
-        self.name = name
-        self.short_name = name if short_name is None else short_name
-        self.metric_type = metric_type
+        set_names(self, name, short_name, metric_type)
         self.formatter = formatter
         self.fn = fn
 
@@ -257,9 +255,7 @@ class MovingAverage(Metric):
                 f"MovingAverage {name!r}: new_example_weight={new_example_weight} must be in "
                 "(0, 1]; 0.01 (the default) averages over about the last 100 batches"
             )
-        self.name = name
-        self.short_name = name if short_name is None else short_name
-        self.metric_type = metric_type
+        set_names(self, name, short_name, metric_type)
         self.formatter = formatter
         self.fn = fn
         self.new_example_weight = float(new_example_weight)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._base import set_names
 from ._host import HostMetric
 from ._mean import check_name_and_fn
 
@@ -100,9 +101,7 @@ class StreamingMedian(HostMetric):
                 f"StreamingMedian {name!r}: sample_size={sample_size} must be >= 1; "
                 f"{DEFAULT_SAMPLE_SIZE} (the default) keeps up to that many values"
             )
-        self.name = name
-        self.short_name = name if short_name is None else short_name
-        self.metric_type = metric_type
+        set_names(self, name, short_name, metric_type)
         self.fn = fn
         self.sample_size = int(sample_size)
         self.seed = seed

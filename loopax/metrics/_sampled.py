@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import format_number
+from ._base import format_number, set_names
 from ._host import HostMetric
 
 MetricFn = Callable[[Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
@@ -204,9 +204,7 @@ class SampledSet(HostMetric):
                 f"SampledSet {name!r}: columns must be a sequence of str (one per value of "
                 f"an example's row), got {columns!r}"
             )
-        self.name = name
-        self.short_name = name if short_name is None else short_name
-        self.metric_type = metric_type
+        set_names(self, name, short_name, metric_type)
         self.size = int(size)
         self.seed = int(seed)
         self.fn = fn

@@ -93,15 +93,16 @@ class Program:
         programs: an even and an uneven batch never share a shape).
       graph_type: `ExecInfo.graph_type`, as `on_exec_creation` reports it.
       body: the per-device step body, from the `StepBuilder`.
-      replicated: how many leading arguments are replicated (the states).
+      replicated: how many leading arguments are replicated (the states; default 1, the
+        train state).
       sharded: how many batch arguments are split over the devices; None: as many as
         `arguments` builds.
-      donate: the arguments whose buffers the program reuses.
+      donate: the arguments whose buffers the program reuses (default none).
       leading_axes: the axes a batch carries in front of its batch axis; `"micro-batches"`
-        only when the trainer accumulates gradients.
+        only when the trainer accumulates gradients (default none).
       arguments: `arguments(strategy, source, leading)`, the batch arguments.
       model_inputs: `model_inputs(strategy, source, leading)`, one step's inputs, to create
-        or check the state from.
+        or check the state from (default: the source's inputs, one step's (micro-)batch).
       per_example_output: whether the body returns per-example values (predictions).
       updates_state: whether the body returns a new train state first (train programs).
       split_batch: whether the batch is split over the devices; off for a global-batch
@@ -113,12 +114,12 @@ class Program:
     name: str
     graph_type: str
     body: Callable[[StepBuilder], Callable[..., Any]]
-    replicated: int
     sharded: int | None
-    donate: tuple[int, ...]
-    leading_axes: tuple[str, ...]
     arguments: Callable[[Strategy, Any, int], tuple]
-    model_inputs: Callable[[Strategy, Any, int], list]
+    replicated: int = 1
+    donate: tuple[int, ...] = ()
+    leading_axes: tuple[str, ...] = ()
+    model_inputs: Callable[[Strategy, Any, int], list] = _first_batch
     per_example_output: bool = False
     updates_state: bool = False
     split_batch: bool = True
@@ -138,12 +139,10 @@ TRAIN = Program(
     name="train",
     graph_type="train",
     body=operator.attrgetter("train"),
-    replicated=1,
     sharded=2,
     donate=(0,),
     leading_axes=(MICRO_BATCHES,),
     arguments=_batches,
-    model_inputs=_first_batch,
     updates_state=True,
 )
 TRAIN_STEPS = dataclasses.replace(
@@ -196,9 +195,7 @@ EVAL = Program(
     replicated=2,  # the train state and the running eval metric states
     sharded=2,
     donate=(1,),
-    leading_axes=(),
     arguments=_batches,
-    model_inputs=_first_batch,
 )
 # A global-batch program (a mesh's) takes a batch the data shards do not divide whole.
 EVAL_WHOLE = dataclasses.replace(EVAL, split_batch=False)
@@ -229,11 +226,7 @@ PREDICT = Program(
     name="predict",
     graph_type="predict",
     body=operator.attrgetter("evaluation.predict"),
-    replicated=1,
     sharded=1,
-    donate=(),
-    leading_axes=(),
     arguments=_inputs,
-    model_inputs=_first_batch,
     per_example_output=True,
 )

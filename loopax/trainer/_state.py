@@ -78,8 +78,13 @@ def tree_paths(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
 
 def to_plain(tree: Any) -> dict:
     """`tree` as nested dicts of its leaves keyed by field names (optax namedtuples included)."""
+    return nest_paths(tree_paths(tree))
+
+
+def nest_paths(flat: list[tuple[tuple[str, ...], Any]]) -> dict:
+    """Nested dicts holding each `(path of names, leaf)` of `flat` at its path."""
     plain: dict = {}
-    for path, leaf in tree_paths(tree):
+    for path, leaf in flat:
         node = plain
         for name in path[:-1]:
             node = node.setdefault(name, {})

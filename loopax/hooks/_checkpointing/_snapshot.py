@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...loop._internal import tree_paths
+from ...loop._internal import nest_paths, tree_paths
 from ...trainer import Trainer
 from ._fingerprint import combine, describe, device_checks, host_fingerprint, local_checks
 
@@ -54,16 +54,6 @@ def _copy(arrays: list[jax.Array]) -> list[jax.Array]:
     return _copier(tuple(x.sharding for x in arrays))(arrays)
 
 
-def _nest(flat: list[tuple[tuple[str, ...], Any]]) -> dict:
-    plain: dict = {}
-    for path, leaf in flat:
-        node = plain
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = leaf
-    return plain
-
-
 def take(trainer: Trainer) -> Snapshot:
     """The trainer's state for a save, taken now on the training thread.
 
@@ -92,11 +82,11 @@ def take(trainer: Trainer) -> Snapshot:
             # A real copy: on CPU `device_get` may return a view of a donated buffer.
             host.append((path, np.array(leaf)))
     if not spread:
-        return Snapshot(_nest(host))
+        return Snapshot(nest_paths(host))
     copies = _copy([leaf for _, leaf in spread])
     checks = device_checks(copies)
     return Snapshot(
-        _nest(host + [(path, copy) for (path, _), copy in zip(spread, copies, strict=True)]),
+        nest_paths(host + [(path, copy) for (path, _), copy in zip(spread, copies, strict=True)]),
         tuple("/".join(path) for path, _ in spread),
         checks,
     )
