@@ -79,6 +79,7 @@ class EarlyStopping(MetricMonitor):
         self,
         loop: Loop,
         monitor: Any,
+        *,
         mode: Any,
         min_delta: float,
         patience: int,
@@ -384,4 +385,13 @@ def early_stopping(
       >>> stopper.mode, stopper.checks, stopper.stopped_step
       ('min', 5, None)
     """
-    return EarlyStopping(loop, monitor, mode, min_delta, patience, baseline, restore_best, verbose)
+    return EarlyStopping(
+        loop,
+        monitor,
+        mode=mode,
+        min_delta=min_delta,
+        patience=patience,
+        baseline=baseline,
+        restore_best=restore_best,
+        verbose=verbose,
+    )

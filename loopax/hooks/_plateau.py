@@ -58,6 +58,7 @@ class ReduceLROnPlateau(MetricMonitor):
         self,
         loop: Loop,
         monitor: Any,
+        *,
         factor: float,
         patience: int,
         min_delta: float,
@@ -235,4 +236,13 @@ def reduce_lr_on_plateau(
       ...
       ValueError: reduce_lr_on_plateau('eval/test/mean_loss') changes the optimizer's ...
     """
-    return ReduceLROnPlateau(loop, monitor, factor, patience, min_delta, cooldown, min_lr, mode)
+    return ReduceLROnPlateau(
+        loop,
+        monitor,
+        factor=factor,
+        patience=patience,
+        min_delta=min_delta,
+        cooldown=cooldown,
+        min_lr=min_lr,
+        mode=mode,
+    )
