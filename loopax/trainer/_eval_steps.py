@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from ..metrics._mean import MeanState, add_mean_states, batch_size_of, mean_of
+from ..metrics import MeanState
+from ..metrics._internal import add_mean_states, batch_size_of, mean_of
 from ._host_metrics import merge_step_values
 from ._state import TrainState, eval_params
 

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from ..data._datasets import as_list
-from ..data._reader import Dispatch, OnDevice, OneStep, Stacked, with_count
+from ..data._internal import Dispatch, OnDevice, OneStep, Stacked, as_list, with_count
 from . import _background
 from ._creation import Model, StateCreator
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
@@ -22,7 +21,7 @@ from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHER
 from ._steps import StepBuilder, StepConfig
 
 if TYPE_CHECKING:
-    from ..data._device_data import DeviceChunk
+    from ..data._internal import DeviceChunk
     from ._parallel import Strategy
     from ._placed_state import PlacedState
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..metrics._loss_average import LossMovingAverage
-from ..metrics._mean import zero_mean_state
+from ..metrics._internal import LossMovingAverage, zero_mean_state
 from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
