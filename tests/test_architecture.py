@@ -323,3 +323,64 @@ def test_the_seam_rule_sees_private_imports():
         "loopax._validate",
         "loopax.trainer._steps",
     ]
+
+
+def import_cycles(graph):
+    """The cycles of `graph` ({module: {imported module, ...}}), each as a sorted list: its
+    strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_cycle_among_loopax_modules():
+    # A cycle hidden in a function-level or TYPE_CHECKING import is still two modules that
+    # cannot be understood (or moved) one without the other: the shared piece belongs in a
+    # module both import.
+    graph, edges = {}, {}
+    for path, tree in modules():
+        importer = module_name(path)
+        for line, target in imported_modules(path, tree):
+            if target != importer:
+                graph.setdefault(importer, set()).add(target)
+                edges.setdefault((importer, target), line)
+    cycles = import_cycles(graph)
+    shown = []
+    for cycle in cycles:
+        inside = [
+            f"{a}:{line} imports {b}"
+            for (a, b), line in sorted(edges.items())
+            if a in cycle and b in cycle
+        ]
+        shown.append(f"{', '.join(cycle)}: {'; '.join(inside)}")
+    assert not cycles, "import cycles among loopax's modules:\n" + "\n".join(shown)

@@ -18,7 +18,8 @@ from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
 from ._named import fused_metrics, named_metrics
 from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
-from ._steps import StepBuilder, StepConfig
+from ._step_config import StepConfig
+from ._steps import StepBuilder
 
 if TYPE_CHECKING:
     from ..data._internal import DeviceChunk
