@@ -140,7 +140,7 @@ def load_into(
         and both shapes), or was saved from a Linen model.
       FileNotFoundError, loopax.hooks.DamagedCheckpointError: as `load_params`.
     """
-    from .trainer._models import load_nnx_variables  # noqa: PLC0415
+    from .trainer._internal import load_nnx_variables  # noqa: PLC0415
 
     where = f"the checkpoint in {str(Path(directory).expanduser())!r}"
     if step is not None:
@@ -152,13 +152,13 @@ def read_state(directory: str | os.PathLike[str], step: int | None) -> dict:
     """The whole train state (plain form) of a checkpoint, as numpy; see `load_params`."""
     import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy: imported only when used)
 
-    from .hooks._checkpointing._active import wait_for_saves  # noqa: PLC0415
-    from .hooks._checkpointing._format import check_directory  # noqa: PLC0415
-    from .hooks._checkpointing._io import (  # noqa: PLC0415
-        DamagedCheckpointError,
+    from .hooks import DamagedCheckpointError  # noqa: PLC0415
+    from .hooks._internal import (  # noqa: PLC0415
+        check_directory,
         open_manager,
         read,
         read_newest_good,
+        wait_for_saves,
     )
 
     directory = Path(directory).expanduser().absolute()

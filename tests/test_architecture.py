@@ -250,3 +250,137 @@ def test_only_one_module_reads_jax_private_state():
             if any(name == "jax._src" or name.startswith("jax._src.") for name in names):
                 readers.append(str(path.relative_to(PACKAGE.parent)))
     assert set(readers) == {"loopax/_distributed.py"}, readers
+
+
+def module_name(path):
+    """The dotted name of the loopax module at `path` (a package's is its `__init__`'s)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path, tree):
+    """(line, dotted name) of each loopax module `path` imports, TYPE_CHECKING and
+    function-level imports included; `from package import module` names the module."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = (node.module or "").split(".") if node.module else []
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] + base
+            if not base or base[0] != "loopax":
+                continue
+            for alias in node.names:
+                below = ".".join([*base, alias.name])
+                is_module = (PACKAGE.parent / below.replace(".", "/")).with_suffix(".py").exists()
+                is_package = (PACKAGE.parent / below.replace(".", "/") / "__init__.py").exists()
+                yield node.lineno, below if is_module or is_package else ".".join(base)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "loopax":
+                    yield node.lineno, alias.name
+
+
+def test_packages_share_private_helpers_only_through_their_internal_seam():
+    # Another package's private modules are its own business: what it shares with the floors
+    # above goes through its public `__init__` or its one `_internal` module, so a change to a
+    # shared helper shows whom it touches. The floor-0 modules (loopax/_validate.py, ...) are
+    # shared by all and imported directly.
+    floor_0 = {room for room, floor in FLOORS.items() if floor == 0}
+    reach = []
+    for path, tree in modules():
+        room = room_of(path)
+        for line, target in imported_modules(path, tree):
+            parts = target.split(".")
+            if len(parts) < 2 or parts[1] == room or parts[1] in floor_0:
+                continue
+            if parts[2:] in ([], ["_internal"]):
+                continue
+            reach.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not reach, "private modules of another package (use its _internal):\n" + "\n".join(reach)
+
+
+def test_the_seam_rule_sees_private_imports():
+    # The checker above must see each form a private import takes, or it passes on anything.
+    text = (
+        "from ..data._datasets import as_list\n"
+        "from ..data import _reader\n"
+        "import loopax.trainer._state\n"
+        "def f():\n    from ..trainer._steps import SKIPPED_STEPS\n"
+        "from ..data._internal import as_list\n"
+        "from ..data import Dataset\n"
+        "from .. import _validate\n"
+    )
+    path = PACKAGE / "loop" / "_example.py"
+    found = [target for _, target in imported_modules(path, ast.parse(text))]
+    assert found == [
+        "loopax.data._datasets",
+        "loopax.data._reader",
+        "loopax.trainer._state",
+        "loopax.data._internal",
+        "loopax.data",
+        "loopax._validate",
+        "loopax.trainer._steps",
+    ]
+
+
+def import_cycles(graph):
+    """The cycles of `graph` ({module: {imported module, ...}}), each as a sorted list: its
+    strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_cycle_among_loopax_modules():
+    # A cycle hidden in a function-level or TYPE_CHECKING import is still two modules that
+    # cannot be understood (or moved) one without the other: the shared piece belongs in a
+    # module both import.
+    graph, edges = {}, {}
+    for path, tree in modules():
+        importer = module_name(path)
+        for line, target in imported_modules(path, tree):
+            if target != importer:
+                graph.setdefault(importer, set()).add(target)
+                edges.setdefault((importer, target), line)
+    cycles = import_cycles(graph)
+    shown = []
+    for cycle in cycles:
+        inside = [
+            f"{a}:{line} imports {b}"
+            for (a, b), line in sorted(edges.items())
+            if a in cycle and b in cycle
+        ]
+        shown.append(f"{', '.join(cycle)}: {'; '.join(inside)}")
+    assert not cycles, "import cycles among loopax's modules:\n" + "\n".join(shown)

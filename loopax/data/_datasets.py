@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from ._device_data import DeviceArrays, DeviceChunk, check_devices
+
 if TYPE_CHECKING:
     from .._devices import Device
-    from ._device_data import DeviceArrays, DeviceChunk
 
 Batch = tuple[Any, list[Any], list[Any]]
 
@@ -171,8 +172,6 @@ class ArrayDataset:
                 "devices; shard_by_process slices host batches. Use one or the other"
             )
         if on_device:
-            from ._device_data import DeviceArrays, check_devices  # noqa: PLC0415
-
             held = check_devices(devices, name)
             self._device = DeviceArrays(self.inputs, self.labels, held, bool(shuffled_copy))
         elif devices is not None or not shuffled_copy:
@@ -329,8 +328,6 @@ class ArrayDataset:
         Raises:
           StopIteration: no batch is left.
         """
-        from ._device_data import DeviceChunk  # noqa: PLC0415
-
         device = self._device
         assert device is not None, "device_steps needs on_device=True"
         chunks: list[DeviceChunk] = []

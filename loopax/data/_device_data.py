@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._devices import AXIS, Device
-from ._datasets import ArrayDataset
 from ._epoch_rows import EpochOrder, Reading, permuted_copy, rows_of
 
 Gather = Callable[..., Any]
@@ -206,31 +205,6 @@ class DeviceArrays:
         split = size % len(self.devices) == 0
         batch = NamedSharding(self._mesh, P(*leading, AXIS)) if split else self._replicated
         return jax.jit(gather, out_shardings=(batch, batch, self._replicated))
-
-
-def check_trainer_devices(dataset: Any, trainer: Any) -> None:
-    """Refuses to train on an on-device dataset held on other devices than the trainer's.
-
-    A batch gathered on the dataset's devices cannot enter a step compiled for other
-    devices; this says so before the first step, in words. (With several processes each
-    holds its own part of the data, which the trainer assembles.)
-
-    Raises:
-      ValueError: `dataset` holds its arrays on devices other than `trainer.devices`.
-    """
-    devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
-    if devices is None or jax.process_count() > 1:
-        return
-    if trainer.gathers_on(devices):
-        return
-    held = [device.id for device in devices]
-    used = [device.id for device in trainer.devices]
-    raise ValueError(
-        f"ArrayDataset {dataset.name!r} holds its arrays on devices {held} (on_device=True), "
-        f"but the Trainer trains on devices {used}; its batches cannot enter the Trainer's "
-        "step. Build the dataset with devices=trainer.devices (the same devices, in the "
-        "same order)"
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,16 +10,13 @@ from __future__ import annotations
 import base64
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
+import jax
 import numpy as np
 
 from .. import _validate, _warnings
 from ._datasets import ArrayDataset, Batch, Dataset, as_list
-from ._device_data import check_trainer_devices
-
-if TYPE_CHECKING:
-    import jax
 
 _ELEMENT_FORMS = (
     "(inputs, labels), (spec, inputs, labels) or a dict {'inputs': ..., 'labels': ...} "
@@ -402,3 +399,28 @@ class RunIterable:
         if self._last is None or self._last[0] is not data:
             self._last = (data, as_dataset(data, "train"))
         return self._last[1]
+
+
+def check_trainer_devices(dataset: Any, trainer: Any) -> None:
+    """Refuses to train on an on-device dataset held on other devices than the trainer's.
+
+    A batch gathered on the dataset's devices cannot enter a step compiled for other
+    devices; this says so before the first step, in words. (With several processes each
+    holds its own part of the data, which the trainer assembles.)
+
+    Raises:
+      ValueError: `dataset` holds its arrays on devices other than `trainer.devices`.
+    """
+    devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
+    if devices is None or jax.process_count() > 1:
+        return
+    if trainer.gathers_on(devices):
+        return
+    held = [device.id for device in devices]
+    used = [device.id for device in trainer.devices]
+    raise ValueError(
+        f"ArrayDataset {dataset.name!r} holds its arrays on devices {held} (on_device=True), "
+        f"but the Trainer trains on devices {used}; its batches cannot enter the Trainer's "
+        "step. Build the dataset with devices=trainer.devices (the same devices, in the "
+        "same order)"
+    )

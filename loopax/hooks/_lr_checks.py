@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ..loop import Loop, Priority
 from ..optimizers import get_learning_rate, scale_learning_rate, set_learning_rate
-from ..optimizers._learning_rate import injected_learning_rates, with_learning_rates
+from ..optimizers._internal import injected_learning_rates, with_learning_rates
 from ..trainer import Trainer
 from ._schedules import FirstNSteps
 from ._train_state import state_of

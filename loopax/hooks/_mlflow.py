@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from ..loop import Loop, Priority
-from ..optimizers._learning_rate import injected_hyperparameters
+from ..optimizers._internal import injected_hyperparameters
 from ._metric_info import is_writer_process
 from ._plot import PLOTTERS
 from ._run_summary import run_summary

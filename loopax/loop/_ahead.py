@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..data._reader import Dispatch, group_sizes
-from ..trainer._trainer import Trainer
+from ..data._internal import Dispatch, group_sizes
+from ..trainer import Trainer
 
 
 class AheadCompiles:

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data._datasets import as_list
-from ..data._reader import Dispatch, OnDevice, Stacked
+from ..data._internal import Dispatch, OnDevice, Stacked, as_list
 
 # Host or device bytes of batches the in-flight window may hold for the check, in all: a
 # turn whose batches take more than this divided by the window's length is not held (an

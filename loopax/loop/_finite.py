@@ -10,8 +10,7 @@ import jax
 import numpy as np
 
 from .. import _warnings
-from ..trainer._state import overflow_steps, skipped_steps
-from ..trainer._steps import OVERFLOW_STEPS, SKIPPED_STEPS
+from ..trainer._internal import OVERFLOW_STEPS, SKIPPED_STEPS, overflow_steps, skipped_steps
 from ._batch_check import batch_advice
 from ._loop_metrics import GroupMetrics
 from ._rate_check import rate_problem

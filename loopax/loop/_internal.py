@@ -6,12 +6,12 @@ change to one of these helpers shows whom it touches. Public names (`Loop`, `Pri
 `Trainer`, ...) come from the packages themselves.
 """
 
-from ..data._datasets import dataset_name as dataset_name
-from ..data._iterables import reads_a_copy as reads_a_copy
-from ..trainer._state import first_non_finite as first_non_finite
-from ..trainer._state import from_plain as from_plain
-from ..trainer._state import nest_paths as nest_paths
-from ..trainer._state import tree_paths as tree_paths
+from ..data._internal import dataset_name as dataset_name
+from ..data._internal import reads_a_copy as reads_a_copy
+from ..trainer._internal import first_non_finite as first_non_finite
+from ..trainer._internal import from_plain as from_plain
+from ..trainer._internal import nest_paths as nest_paths
+from ..trainer._internal import tree_paths as tree_paths
 from ._history import train_key as train_key
 from ._hook import FINISHED as FINISHED
 from ._hook import NEVER as NEVER

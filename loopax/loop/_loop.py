@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _validate
-from ..data._datasets import Dataset
-from ..trainer._trainer import Trainer
+from ..data import Dataset
+from ..trainer import Trainer
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import Evaluation, History
 from ._hook import NEVER, Hook, Schedule

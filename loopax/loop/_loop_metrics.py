@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from ..data._datasets import Dataset, dataset_name
+from ..data import Dataset
+from ..data._internal import dataset_name
 from ._history import Evaluation, History, train_key
 
 if TYPE_CHECKING:
-    from ..trainer._trainer import Trainer
+    from ..trainer import Trainer
 
 Metrics = dict[str, Any]
 LogFn = Callable[[int, dict[str, float]], Any]

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from ..optimizers import get_learning_rate
-from ..optimizers._schedule_values import schedule_name, scheduled_learning_rates, update_count
+from ..optimizers._internal import schedule_name, scheduled_learning_rates, update_count
 
 
 def rate_problem(trainer: Any, step: int, loss: float) -> str | None:

@@ -10,11 +10,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import _validate, _warnings
-from ..data._datasets import BadBatchError, Dataset, shown_name
-from ..data._iterables import RunIterable, check_restartable
-from ..data._reader import StepReader, power_of_two_at_most
-from ..trainer._inflight import InFlight, limit_for
-from ..trainer._trainer import Trainer
+from ..data import Dataset
+from ..data._internal import (
+    BadBatchError,
+    RunIterable,
+    StepReader,
+    check_restartable,
+    power_of_two_at_most,
+    shown_name,
+)
+from ..trainer import Trainer
+from ..trainer._internal import InFlight, limit_for
 from ._ahead import AheadCompiles
 from ._batch_check import HELD_BYTES, kept
 from ._epochs import EpochCount

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from .._distributed import coordination_client
-from ..trainer._trainer import Trainer
+from ..trainer import Trainer
 
 # The coordinated runs of this process, counted in the order they start: every process of a
 # job runs the same runs in the same order (their steps are collectives), so the n-th run has

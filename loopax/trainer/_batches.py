@@ -8,7 +8,7 @@ from typing import Any, TypeGuard
 import jax
 import numpy as np
 
-from ..data._datasets import shown_name
+from ..data._internal import shown_name
 
 
 def spec_key(spec: Any) -> Hashable:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._parallel import AXIS
+from .._devices import AXIS
 
 
 class Collectives:

@@ -6,18 +6,38 @@ raw parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
+import jax
 import jax.numpy as jnp
 
-from ..metrics._mean import MeanState, add_mean_states, batch_size_of, mean_of
+from ..metrics import MeanState
+from ..metrics._internal import add_mean_states, batch_size_of, mean_of
 from ._host_metrics import merge_step_values
 from ._state import TrainState, eval_params
 
 if TYPE_CHECKING:
-    from ._steps import StepBuilder
+    from ._collectives import Collectives
+    from ._step_config import StepConfig
 
 MEAN_LOSS = "mean_loss"
+
+
+class StepPieces(Protocol):
+    """What the eval and predict bodies read of the `StepBuilder` that builds them."""
+
+    config: StepConfig
+    collectives: Collectives
+
+    def apply_model(
+        self, step, model_state, params, spec, rng, inputs, training: bool, micro=None
+    ) -> Any:
+        """The model on one shard: `(predictions, added loss, new model state)`."""
+        ...
+
+    def loss_of(self, labels, predictions, added_loss) -> jax.Array:
+        """The loss to minimize."""
+        ...
 
 
 class EvalBodies:
@@ -27,7 +47,7 @@ class EvalBodies:
       steps: the builder whose pieces (`apply_model`, `loss_of`) the bodies share.
     """
 
-    def __init__(self, steps: StepBuilder):
+    def __init__(self, steps: StepPieces):
         self._steps = steps
 
     def predict(self, spec, rng, state: TrainState, inputs):

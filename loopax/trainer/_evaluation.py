@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from .. import _warnings
-from ..data._datasets import Dataset, as_list, read_batches, shown_name
-from ..data._iterables import evaluation_dataset
+from ..data import Dataset
+from ..data._internal import as_list, evaluation_dataset, read_batches, shown_name
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
 from ._inflight import InFlight
 from ._named import named_metrics

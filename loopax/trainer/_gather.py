@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._devices import AXIS
-from ..data._epoch_rows import Reading, rows_at
+from ..data._internal import Reading, rows_at
 
 # The key of the position after a group, beside the last step's metrics; not a metric:
 # the Trainer takes it out before any metric is named (`Programs.train_gathered`).

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _warnings
-from ..metrics._host import is_host_metric as is_host_metric
-from ..metrics._mean import batch_size_of
+from ..metrics._internal import batch_size_of
+from ..metrics._internal import is_host_metric as is_host_metric
 
 # Steps whose values may wait on the device; past it the oldest half is folded in. Twice
 # the loop's largest in-flight window (32), so the steps folded without a reader are

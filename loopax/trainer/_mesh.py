@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -23,11 +23,8 @@ from jax.stages import Wrapped
 from .._compilation_cache import enable_default_cache
 from .._devices import Device
 from ._layout import DATA, Layout, check_rules
-from ._parallel import Strategy, choose
+from ._parallel import ProgramShape, Strategy, choose
 from ._state import TrainState
-
-if TYPE_CHECKING:
-    from ._program import Program
 
 
 def build_mesh(mesh: Any, devices: Sequence[Device] | None) -> Mesh:
@@ -208,7 +205,7 @@ class Sharded(Strategy):
     # -- compiling ----------------------------------------------------------------------
 
     def wrap(
-        self, body: Callable[..., Any], program: Program, sharded: int, batch_axis: int = 0
+        self, body: Callable[..., Any], program: ProgramShape, sharded: int, batch_axis: int = 0
     ) -> Wrapped:
         """`body` as one jit over the global batch.
 

@@ -10,7 +10,7 @@ the mean over devices, and how a body is wrapped and compiled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -22,8 +22,35 @@ from jax.stages import Wrapped
 
 from .._devices import AXIS, Device
 
-if TYPE_CHECKING:
-    from ._program import Program
+
+class ProgramShape(Protocol):
+    """What a strategy's `wrap` reads of a `Program`: how its arguments are laid out."""
+
+    @property
+    def replicated(self) -> int:
+        """How many leading arguments are replicated (the states)."""
+        ...
+
+    @property
+    def donate(self) -> tuple[int, ...]:
+        """The arguments whose buffers the program reuses."""
+        ...
+
+    @property
+    def per_example_output(self) -> bool:
+        """Whether the body returns per-example values (predictions)."""
+        ...
+
+    @property
+    def updates_state(self) -> bool:
+        """Whether the body returns a new train state first (train programs)."""
+        ...
+
+    @property
+    def split_batch(self) -> bool:
+        """Whether the batch is split over the devices (off for a mesh's global eval batch)."""
+        ...
+
 
 STRATEGIES = ("shard_map", "pmap")
 
@@ -119,7 +146,7 @@ class Strategy:
     # -- compiling ----------------------------------------------------------------------
 
     def wrap(
-        self, body: Callable[..., Any], program: Program, sharded: int, batch_axis: int = 0
+        self, body: Callable[..., Any], program: ProgramShape, sharded: int, batch_axis: int = 0
     ) -> Wrapped:
         """`body(*state, *batch) -> (new_state, values)` as one jit-compiled program.
 
@@ -269,7 +296,7 @@ class Pmap(Strategy):
         return pmean(grads)
 
     def wrap(
-        self, body: Callable[..., Any], program: Program, sharded: int, batch_axis: int = 0
+        self, body: Callable[..., Any], program: ProgramShape, sharded: int, batch_axis: int = 0
     ) -> Wrapped:
         """As `Strategy.wrap`; the state arguments and new state carry the device axis."""
         num_devices, num_replicated = self.num_devices, program.replicated

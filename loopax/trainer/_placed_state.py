@@ -13,12 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..optimizers._learning_rate import (
-    check_not_schedule,
-    constant_learning_rate,
-    get_learning_rate,
-    set_learning_rate,
-)
+from ..optimizers import get_learning_rate, set_learning_rate
+from ..optimizers._internal import check_not_schedule, constant_learning_rate
 from ._models import NnxModel
 from ._packed import PackedAverage, pack, unpack_placed, worth_packing
 from ._replicas import check_replicas

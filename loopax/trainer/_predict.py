@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._validate import positive_int
-from ..data._datasets import as_list, read_batches
-from ..data._iterables import is_dataset
+from ..data._internal import as_list, is_dataset, read_batches
 from ._program import PREDICT
 from ._shares import gather, rounds, spans_processes
 

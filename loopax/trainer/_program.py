@@ -23,7 +23,7 @@ from ._gather import gathering, gathering_steps
 if TYPE_CHECKING:
     from jax.stages import Wrapped
 
-    from ..data._device_data import DeviceChunk
+    from ..data._internal import DeviceChunk
     from ._parallel import Strategy
     from ._steps import StepBuilder
 

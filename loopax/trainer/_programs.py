@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from ..data._datasets import as_list
-from ..data._reader import Dispatch, OnDevice, OneStep, Stacked, with_count
+from ..data._internal import Dispatch, OnDevice, OneStep, Stacked, as_list, with_count
 from . import _background
 from ._aux import may_return_aux
 from ._creation import Model, StateCreator
@@ -20,10 +19,11 @@ from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
 from ._named import fused_metrics, named_metrics
 from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
-from ._steps import StepBuilder, StepConfig
+from ._step_config import StepConfig
+from ._steps import StepBuilder
 
 if TYPE_CHECKING:
-    from ..data._device_data import DeviceChunk
+    from ..data._internal import DeviceChunk
     from ._parallel import Strategy
     from ._placed_state import PlacedState
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .._distributed import coordination_client
-from ..data._datasets import as_list
+from ..data._internal import as_list
 
 # Evaluations of this process that agreed through the coordination service, counted in the
 # order they run (the same order on every process): a key of its own for each.

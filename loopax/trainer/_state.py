@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..metrics._loss_average import LossMovingAverage
+from ..metrics._internal import LossMovingAverage
 from ._packed import PackedAverage, unpack
 
 

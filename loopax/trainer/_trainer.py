@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from .._validate import positive_int
-from ..data._datasets import Dataset
-from ..data._reader import Dispatch
+from ..data import Dataset
+from ..data._internal import Dispatch
 from ._context import ModelFn
 from ._creation import Model
 from ._evaluation import Evaluator

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._devices import AXIS
 from ._host_metrics import is_host_metric, split_host_metrics
+from ._step_config import StepConfig
 from ._steps import (
     GRAD_NORM,
     LOSS,
@@ -19,7 +20,6 @@ from ._steps import (
     OVERFLOW_STEPS,
     SKIPPED_STEPS,
     UPDATE_NORM,
-    StepConfig,
 )
 
 if TYPE_CHECKING:
