@@ -307,20 +307,9 @@ def fused_section(size: Size, rounds: int, directory: Path, on_round) -> dict:
         reference: bench_fused.prestacked_scan(workload, arrays, steps),
         PER_STEP: _common.hand_written(workload, batches, steps),
     }
-    unavailable: dict[str, str] = {}
-    for row, with_hooks in ((bench_fused.SHUFFLED_BARE, False), (bench_fused.SHUFFLED, True)):
-        dataset = bench_fused.shuffled_dataset(workload, arrays)
-        attach, why = _common.readme_hooks(directory / "fused-hooks") if with_hooks else (None, "")
-        if dataset is None or (with_hooks and attach is None):
-            unavailable[row] = why or "n/a (not on this loopax: shuffled_copy=)"
-            continue
-        run, why = bench_fused.fused_loop(
-            workload, [], steps, attach=attach if with_hooks else None, dataset=dataset
-        )
-        if run is None:
-            unavailable[row] = why
-        else:
-            candidates[row] = run
+    rows = ((bench_fused.SHUFFLED_BARE, None, True), (bench_fused.SHUFFLED, "fused-hooks", True))
+    fused, unavailable = bench_fused.shuffled_candidates(workload, arrays, steps, rows, directory)
+    candidates.update(fused)
     timings, built = timed_rounds(candidates, steps, rounds, size.warmup_rounds, on_round)
     rows: list[tuple] = ratio_rows(timings, reference, list(candidates))
     rows += [(row, why) for row, why in unavailable.items()]

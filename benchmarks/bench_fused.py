@@ -50,6 +50,7 @@ from _common import (
     _hand_written_step,
     host_arrays,
     loss_fn,
+    readme_hooks,
     split_end_of_run,
 )
 
@@ -204,6 +205,34 @@ def train_steps_direct(
         return trainer.train_steps(None, [xs], [ys])[1]["loss"]
 
     return _cycle_chunks(call, chunks, steps, k)
+
+
+def shuffled_candidates(
+    workload: Workload,
+    arrays: tuple[np.ndarray, np.ndarray],
+    steps: int,
+    rows: Sequence[tuple[str, str | None, bool]],
+    directory: Any,
+) -> tuple[dict[str, Run], dict[str, str]]:
+    """The fused Loop on reshuffled on-device data, one run per row, and the rows it can't run.
+
+    Each row is `(name, hooks or None, shuffled_copy)`: with `hooks`, the README's hooks
+    write under `directory / hooks`.
+    """
+    candidates: dict[str, Run] = {}
+    unavailable: dict[str, str] = {}
+    for row, hooked, shuffled_copy in rows:
+        dataset = shuffled_dataset(workload, arrays, shuffled_copy)
+        attach, why = readme_hooks(directory / hooked) if hooked else (None, "")
+        if dataset is None or (hooked and attach is None):
+            unavailable[row] = why or "n/a (not on this loopax: shuffled_copy=)"
+            continue
+        run, why = fused_loop(workload, [], steps, attach=attach, dataset=dataset)
+        if run is None:
+            unavailable[row] = why
+        else:
+            candidates[row] = run
+    return candidates, unavailable
 
 
 def fused_loop(

@@ -651,25 +651,13 @@ def shuffled_section(args: argparse.Namespace) -> dict:
         reference: bench_fused.hand_written_shuffled_scan(workload, arrays, steps),
         bench_fused.PRESTACKED_SCAN: bench_fused.prestacked_scan(workload, arrays, steps),
     }
-    unavailable: dict[str, str] = {}
-    for row, hooked, shuffled_copy in (
+    rows = (
         (bench_fused.SHUFFLED, "copy", True),
         (bench_fused.SHUFFLED_BARE, None, True),
         (bench_fused.SHUFFLED_GATHER, "gather", False),
-    ):
-        dataset = bench_fused.shuffled_dataset(workload, arrays, shuffled_copy)
-        attach, why = _common.readme_hooks(directory / (hooked or "bare"))
-        with_hooks = hooked is not None
-        if dataset is None or (with_hooks and attach is None):
-            unavailable[row] = why or "n/a (not on this loopax yet: shuffled_copy=)"
-            continue
-        run, why = bench_fused.fused_loop(
-            workload, [], steps, attach=attach if with_hooks else None, dataset=dataset
-        )
-        if run is None:
-            unavailable[row] = why
-        else:
-            candidates[row] = run
+    )
+    fused, unavailable = bench_fused.shuffled_candidates(workload, arrays, steps, rows, directory)
+    candidates.update(fused)
     keras_row = KERAS.format(bench_fused.K) + ", shuffle=True"
     run, why = keras_fit(workload, [], steps, bench_fused.K, shuffled=arrays)
     if run is None:
