@@ -85,10 +85,12 @@ class ArrayDataset:
       shuffled_copy: with `on_device=True` and `shuffle=True`, permute the arrays into a
         copy in each epoch's order, once per epoch (one gather on the devices, when the
         epoch's first batch is read), so that every batch is a contiguous slice of it:
-        the fast path. The copy doubles the data's memory on every device (three times
-        for a moment at an epoch's start, while steps of the previous epoch finish).
-        False keeps no copy and gathers each batch's rows through the permutation
-        instead (slower per step). Batches are the same either way.
+        the fast path for single steps. The copy doubles the data's memory on every
+        device (three times for a moment at an epoch's start, while steps of the previous
+        epoch finish). False keeps no copy and gathers each batch's rows through the
+        permutation instead (slower per step). Fused steps (`steps_per_execution`) never
+        make the copy: a group reads all its rows by one gather through the permutation
+        before its steps. Batches are the same either way.
       shard_by_process: for several JAX processes: every process is given the same (whole)
         arrays, `batch_size` is the global batch, and each process yields its own slice of
         every global batch (process i of n: rows `[i * b / n, (i + 1) * b / n)`). The
@@ -352,11 +354,11 @@ class ArrayDataset:
                 and last.start + last.count * size == end
             ):  # the run goes on into the next epoch: one chunk
                 chunks[-1] = dataclasses.replace(
-                    last, count=last.count + batches, next_epoch=device.epoch
+                    last, count=last.count + batches, next_epoch=device.group_epoch
                 )
                 crossed = True
                 continue
-            held = device.epoch  # its permuted copy is made on the epoch's first read only
+            held = device.group_epoch  # read through the permutation: no copy for groups
             chunks.append(DeviceChunk(device, batches, size, start, end, held, held))
             crossed = False
         return chunks, False

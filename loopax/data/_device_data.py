@@ -99,6 +99,7 @@ class DeviceArrays:
         self.inputs, self.labels = jax.device_put((inputs, labels), self._replicated)
         self._order: jax.Array | None = None
         self._epoch: EpochOrder | None = None
+        self._group_epoch: EpochOrder | None = None
         self._key: Hashable | None = None
         self._gathers: dict[tuple[int, int, bool], Gather] = {}
         # Epoch positions as device scalars, so that no step copies one from the host: the
@@ -118,7 +119,7 @@ class DeviceArrays:
         self._order = (
             None if order is None else jax.device_put(order.astype(np.int32), self._replicated)
         )
-        self._epoch = None
+        self._epoch = self._group_epoch = None
 
     @property
     def order(self) -> jax.Array | None:
@@ -135,6 +136,19 @@ class DeviceArrays:
                 # A module function, not a jit bound at construction: tests count copies.
                 copy = permuted_copy(self.inputs, self.labels, self._order, self._replicated)
             epoch = self._epoch = EpochOrder(self._order, copy)
+        return epoch
+
+    @property
+    def group_epoch(self) -> EpochOrder:
+        """The current epoch's order as fused groups read it: through the permutation.
+
+        A fused group reads all its rows by one gather before its steps whichever way they
+        lie, so a permuted copy would add only its own cost (a gather of the whole epoch at
+        its start, and the data's memory again); single batches read the copy (`epoch`).
+        """
+        epoch = self._group_epoch
+        if epoch is None:
+            epoch = self._group_epoch = EpochOrder(self._order, None)
         return epoch
 
     @property
