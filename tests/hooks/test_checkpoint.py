@@ -230,6 +230,24 @@ def test_keep_period_keeps_multiples_forever(trainer, tmp_path):
     assert checkpointer.all_steps() == [3, 6, 7]
 
 
+def keep_best_of_five_steps(trainer, directory, fake_evaluation, best_mode):
+    """Five steps checkpointed each, keeping one and the best by the `fake_evaluation`'s
+    `eval/test/mean_loss`; the checkpointer, every save committed."""
+    loop = loopax.Loop(trainer)
+    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
+    checkpointer = hooks.checkpoint(
+        loop,
+        directory,
+        every_n_steps=1,
+        keep=1,
+        best_metric="eval/test/mean_loss",
+        best_mode=best_mode,
+    )
+    loop.run_steps(make_dataset(), 5)
+    checkpointer.wait()
+    return checkpointer
+
+
 @pytest.mark.parametrize("best_mode, best_step", [("min", 2), ("max", 1)])
 def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_step):
     losses = {0: 5.0, 1: 1.0, 2: 4.0, 3: 3.0}  # by loop_step; at step 4 only a stale value
@@ -242,18 +260,7 @@ def test_keeps_the_best_by_an_eval_metric(trainer, tmp_path, best_mode, best_ste
         else:  # a value of another step says nothing about this one
             loop.history.record(trainer.global_step - 1, {"eval/test/mean_loss": -100.0})
 
-    loop = loopax.Loop(trainer)
-    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
-    checkpointer = hooks.checkpoint(
-        loop,
-        tmp_path,
-        every_n_steps=1,
-        keep=1,
-        best_metric="eval/test/mean_loss",
-        best_mode=best_mode,
-    )
-    loop.run_steps(make_dataset(), 5)
-    checkpointer.wait()
+    checkpointer = keep_best_of_five_steps(trainer, tmp_path, fake_evaluation, best_mode)
     assert checkpointer.all_steps() == [best_step, 5]
 
 
@@ -268,18 +275,7 @@ def test_of_equal_best_values_the_first_step_is_kept(trainer, tmp_path, best_mod
         step = trainer.global_step
         loop.history.record(step, {"eval/test/mean_loss": sign * values[step]})
 
-    loop = loopax.Loop(trainer)
-    loop.on_step("fake evaluation", fake_evaluation, loopax.Priority.EVALUATE)
-    checkpointer = hooks.checkpoint(
-        loop,
-        tmp_path,
-        every_n_steps=1,
-        keep=1,
-        best_metric="eval/test/mean_loss",
-        best_mode=best_mode,
-    )
-    loop.run_steps(make_dataset(), 5)
-    checkpointer.wait()
+    checkpointer = keep_best_of_five_steps(trainer, tmp_path, fake_evaluation, best_mode)
     assert checkpointer.all_steps() == [2, 5] and checkpointer.best_step() == 2
 
 

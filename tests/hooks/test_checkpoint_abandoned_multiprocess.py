@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_checkpoint_multiprocess import _host, _trainer
+from test_checkpoint_multiprocess import _shuffled as _data
 
 from loopax.testing import multiprocess
 
@@ -18,40 +20,6 @@ pytestmark = pytest.mark.usefixtures("forked_processes")
 
 TIMEOUT = 180  # for the group of processes; a hang fails, it never waits forever
 BARRIER_TIMEOUT = 60.0  # seconds: the processes' own agreement timeout
-
-
-def _trainer():
-    import flax.linen as nn
-    import optax
-
-    import loopax
-
-    return loopax.Trainer(
-        lambda ctx, spec, x: nn.Dense(1)(nn.Dense(4)(x[0])),
-        loopax.losses.mean_squared_error,
-        optax.adam(0.05),
-    )
-
-
-def _host(tree):
-    """A state's arrays as lists; every array here is replicated, so one local copy is whole."""
-    import jax
-
-    def one(leaf):
-        if isinstance(leaf, jax.Array):
-            leaf = leaf.addressable_data(0)
-        return np.asarray(leaf).tolist()
-
-    return jax.tree.map(one, tree)
-
-
-def _data(seed):
-    import loopax
-
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((24, 3)).astype(np.float32)
-    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
-    return loopax.ArrayDataset(x, y, batch_size=4, seed=seed, loop_forever=True, name="train")
 
 
 def restore_older_and_go_on(directory):

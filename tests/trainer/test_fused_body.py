@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from hlo_helpers import loop_bodies
+from test_step_buffers import averaging_step
 
 import loopax
 
@@ -42,18 +43,10 @@ def hand_written_body():
     model, optimizer = nn.Dense(1), optax.adam(0.01)
     params = model.init(jax.random.key(0), inputs[:BATCH])
 
+    update = averaging_step(model, optimizer)
+
     def step(state, batch):
-        params, opt_state, (total, weight) = state
-        xs, ys = batch
-
-        def loss_of(params):
-            return jnp.mean((model.apply(params, xs) - ys) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_of)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        total, weight = 0.9 * total + 0.1 * loss, 0.9 * weight + 0.1
-        state = (optax.apply_updates(params, updates), opt_state, (total, weight))
-        return state, {"loss": loss, "moving_average_loss": total / weight}
+        return update(state, *batch)
 
     def steps(state, xs, ys):
         return jax.lax.scan(step, state, (xs, ys))

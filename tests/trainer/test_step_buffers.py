@@ -37,11 +37,9 @@ def batch():
     return jax.device_put(inputs), jax.device_put(inputs[:, :1])
 
 
-def hand_written_step(inputs, labels):
-    """A donated step over the same model and optimizer, keeping a loss moving average."""
-    model, optimizer = nn.Dense(1), optax.adam(0.01)
-    params = model.init(jax.random.key(0), inputs)
-    average = (jnp.zeros(()), jnp.zeros(()))  # an exponential average and its weight
+def averaging_step(model, optimizer):
+    """A hand-written step `(state, inputs, labels) -> (state, metrics)` keeping a loss
+    moving average, as loopax's step does; `state` is `(params, opt_state, (total, weight))`."""
 
     def step(state, inputs, labels):
         params, opt_state, (total, weight) = state
@@ -55,7 +53,16 @@ def hand_written_step(inputs, labels):
         state = (optax.apply_updates(params, updates), opt_state, (total, weight))
         return state, {"loss": loss, "moving_average_loss": total / weight}
 
+    return step
+
+
+def hand_written_step(inputs, labels):
+    """A donated step over the same model and optimizer, keeping a loss moving average."""
+    model, optimizer = nn.Dense(1), optax.adam(0.01)
+    params = model.init(jax.random.key(0), inputs)
+    average = (jnp.zeros(()), jnp.zeros(()))  # an exponential average and its weight
     state = (params, optimizer.init(params), average)
+    step = averaging_step(model, optimizer)
     return jax.jit(step, donate_argnums=0).lower(state, inputs, labels).compile()
 
 
