@@ -13,14 +13,14 @@ where their batches lie (`OnDevice`) and the Trainer's program takes them itself
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .._devices import Device
-from ._datasets import ArrayDataset, Batch, as_list, bad_batch_error, shown_name
+from ._datasets import ArrayDataset, Batch, as_list, checked_batch, shown_name
 from ._device_data import DeviceChunk
 
 
@@ -90,6 +90,19 @@ def power_of_two_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def power_of_two_parts(total: int) -> Iterator[tuple[int, int]]:
+    """`(start, count)` of each part of `total` items cut into powers of two, largest first.
+
+    >>> list(power_of_two_parts(13))
+    [(0, 8), (8, 4), (12, 1)]
+    """
+    start = 0
+    while start < total:
+        count = power_of_two_at_most(total - start)
+        yield start, count
+        start += count
+
+
 def group_sizes(steps: int, most: int) -> set[int]:
     """The sizes of the groups `steps` steps are read in, at most `most` steps a group.
 
@@ -100,11 +113,8 @@ def group_sizes(steps: int, most: int) -> set[int]:
     if steps >= most:  # full groups: their count in one step, however long the run
         full = power_of_two_at_most(most)
         sizes.add(full)
-        steps -= ((steps - most) // full + 1) * full
-    while steps > 0:
-        size = power_of_two_at_most(min(most, steps))
-        sizes.add(size)
-        steps -= size
+        steps -= ((steps - most) // full + 1) * full  # leaves fewer than `most`
+    sizes.update(count for _, count in power_of_two_parts(steps))
     return sizes
 
 
@@ -134,40 +144,36 @@ def with_count(dispatch: Dispatch, count: int) -> Dispatch:
     return Stacked(count, dispatch.spec, resized(inputs), resized(labels))
 
 
-def _kind(batch: Batch) -> tuple:
+def _kind(batch: Batch, steps_axes: int = 0) -> tuple:
+    """What batches must share to be stacked: their spec, and shapes and dtypes.
+
+    The shapes behind the first `steps_axes` axes (1 for batches stacked on a steps axis).
+    """
     spec, inputs, labels = batch
     return (
         repr(spec),
-        tuple((np.shape(a), str(getattr(a, "dtype", ""))) for a in inputs),
-        tuple((np.shape(a), str(getattr(a, "dtype", ""))) for a in labels),
+        tuple((np.shape(a)[steps_axes:], str(getattr(a, "dtype", ""))) for a in inputs),
+        tuple((np.shape(a)[steps_axes:], str(getattr(a, "dtype", ""))) for a in labels),
     )
 
 
-def _stacked_kind(piece: Batch) -> tuple:
-    """`_kind` of stacked batches: their spec and the shapes behind the steps axis."""
-    spec, inputs, labels = piece
-    return (
-        repr(spec),
-        tuple((np.shape(a)[1:], str(getattr(a, "dtype", ""))) for a in inputs),
-        tuple((np.shape(a)[1:], str(getattr(a, "dtype", ""))) for a in labels),
-    )
+def _joined(batches: list[Batch], *, stack: bool = True) -> tuple[list[Any], list[Any]]:
+    """The inputs and the labels of `batches` (of one kind), each joined as `join_arrays` does."""
+    first = batches[0]
+    inputs = [join_arrays([b[1][i] for b in batches], stack=stack) for i in range(len(first[1]))]
+    labels = [join_arrays([b[2][i] for b in batches], stack=stack) for i in range(len(first[2]))]
+    return inputs, labels
 
 
 def _chunks_of_run(run: list[Batch]) -> list[Dispatch]:
     """A run of batches of one kind as power-of-two chunks, largest first."""
     chunks: list[Dispatch] = []
-    start = 0
-    while start < len(run):
-        count = power_of_two_at_most(len(run) - start)
-        part = run[start : start + count]
-        spec = part[0][0]
+    for start, count in power_of_two_parts(len(run)):
+        spec, inputs, labels = run[start]
         if count == 1:
-            chunks.append(OneStep(spec, part[0][1], part[0][2]))
+            chunks.append(OneStep(spec, inputs, labels))
         else:
-            inputs = [join_arrays([b[1][i] for b in part]) for i in range(len(part[0][1]))]
-            labels = [join_arrays([b[2][i] for b in part]) for i in range(len(part[0][2]))]
-            chunks.append(Stacked(count, spec, inputs, labels))
-        start += count
+            chunks.append(Stacked(count, spec, *_joined(run[start : start + count])))
     return chunks
 
 
@@ -175,9 +181,7 @@ def _chunks_of_stacked(spec: Any, inputs: list[Any], labels: list[Any]) -> list[
     """Batches stacked on a leading steps axis as power-of-two chunks, largest first."""
     total = int(np.shape(inputs[0])[0])
     chunks: list[Dispatch] = []
-    start = 0
-    while start < total:
-        count = power_of_two_at_most(total - start)
+    for start, count in power_of_two_parts(total):
         if count == total:
             chunks.append(
                 Stacked(count, spec, inputs, labels)
@@ -190,7 +194,6 @@ def _chunks_of_stacked(spec: Any, inputs: list[Any], labels: list[Any]) -> list[
             part = slice(start, start + count)
             inputs_part, labels_part = [a[part] for a in inputs], [a[part] for a in labels]
             chunks.append(Stacked(count, spec, inputs_part, labels_part))
-        start += count
     return chunks
 
 
@@ -204,9 +207,7 @@ def _read_stacked(
     only where the kind of batch changes.
     """
     ended = False
-    first = yield_batches(n)  # StopIteration: no batch left
-    if type(first) is not tuple or len(first) != 3:
-        raise bad_batch_error(dataset, first)
+    first = checked_batch(dataset, yield_batches(n))  # StopIteration: no batch left
     piece = (first[0], as_list(first[1]), as_list(first[2]))
     count = int(np.shape(piece[1][0])[0])
     if count == n:  # the common case: one stack of the whole group
@@ -214,27 +215,24 @@ def _read_stacked(
     pieces = [piece]
     while count < n:
         try:
-            batch = yield_batches(n - count)
+            batch = checked_batch(dataset, yield_batches(n - count))
         except StopIteration:  # a dataset that does not loop ended after `pieces`
             ended = True
             break
-        if type(batch) is not tuple or len(batch) != 3:
-            raise bad_batch_error(dataset, batch)
         piece = (batch[0], as_list(batch[1]), as_list(batch[2]))
         pieces.append(piece)
         count += int(np.shape(piece[1][0])[0])
-        if _stacked_kind(piece) != _stacked_kind(pieces[0]):
+        if _kind(piece, 1) != _kind(pieces[0], 1):
             break  # another kind (a short last batch): it starts its own chunks
     chunks: list[Dispatch] = []
     run = [pieces[0]]
     for piece in [*pieces[1:], None]:
-        if piece is not None and _stacked_kind(piece) == _stacked_kind(run[0]):
+        if piece is not None and _kind(piece, 1) == _kind(run[0], 1):
             run.append(piece)
             continue
         spec, inputs, labels = run[0]
         if len(run) > 1:
-            inputs = [join_arrays([p[1][i] for p in run], stack=False) for i in range(len(inputs))]
-            labels = [join_arrays([p[2][i] for p in run], stack=False) for i in range(len(labels))]
+            inputs, labels = _joined(run, stack=False)
         chunks.extend(_chunks_of_stacked(spec, inputs, labels))
         if piece is not None:
             run = [piece]
@@ -249,31 +247,34 @@ def _read_on_device(dataset: ArrayDataset, n: int) -> tuple[list[Dispatch], bool
         return [OnDevice(spec, runs[0])], ended
     chunks: list[Dispatch] = []
     for run in runs:
-        offset = 0
-        while offset < run.count:
-            count = power_of_two_at_most(run.count - offset)
-            chunks.append(OnDevice(spec, run.part(offset, count)))
-            offset += count
+        chunks.extend(
+            OnDevice(spec, run.part(start, count)) for start, count in power_of_two_parts(run.count)
+        )
     return chunks, ended
+
+
+def _batches_up_to(dataset: Any, read: Callable[[], Any], n: int) -> tuple[list[Batch], bool]:
+    """Up to n batches of `read()`, checked, and whether the dataset ended before n.
+
+    Raises `StopIteration` when no batch is left.
+    """
+    batches: list[Batch] = []
+    while len(batches) < n:
+        try:
+            batch = checked_batch(dataset, read())
+        except StopIteration:
+            if not batches:
+                raise
+            return batches, True
+        batches.append((batch[0], as_list(batch[1]), as_list(batch[2])))
+    return batches, False
 
 
 def _read_batches(
     dataset: Any, read_step: Callable[[], Any], n: int
 ) -> tuple[list[Dispatch], bool]:
     """A group of up to n steps' batches, each read by `read_step`, as chunks."""
-    batches: list[Batch] = []
-    ended = False
-    while len(batches) < n:
-        try:
-            batch = read_step()
-        except StopIteration:
-            if not batches:
-                raise
-            ended = True
-            break
-        if type(batch) is not tuple or len(batch) != 3:
-            raise bad_batch_error(dataset, batch)
-        batches.append((batch[0], as_list(batch[1]), as_list(batch[2])))
+    batches, ended = _batches_up_to(dataset, read_step, n)
     chunks: list[Dispatch] = []
     run = [batches[0]]
     for batch in batches[1:]:
@@ -324,10 +325,7 @@ class StepReader:
 
         def one_step(n: int) -> tuple[list[Dispatch], bool]:
             del n  # always one
-            batch = read_step()
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
-            return [_new_tuple(OneStep, batch)], False
+            return [_new_tuple(OneStep, checked_batch(dataset, read_step()))], False
 
         self.read: Callable[[int], tuple[list[Dispatch], bool]]
         devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
@@ -358,24 +356,10 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
     yield_batch = dataset.yield_batch
 
     def read() -> Batch:
-        group = []
-        while len(group) < count:
-            try:
-                batch = yield_batch()
-            except StopIteration:
-                if not group:
-                    raise
-                break
-            if type(batch) is not tuple or len(batch) != 3:
-                raise bad_batch_error(dataset, batch)
-            spec, inputs, labels = batch[0], as_list(batch[1]), as_list(batch[2])
-            if group:
-                _check_same_kind(dataset, group[0], (spec, inputs, labels), len(group), count)
-            group.append((spec, inputs, labels))
-        spec = group[0][0]
-        inputs = [join_arrays([g[1][i] for g in group]) for i in range(len(group[0][1]))]
-        labels = [join_arrays([g[2][i] for g in group]) for i in range(len(group[0][2]))]
-        return spec, inputs, labels
+        group, _ = _batches_up_to(dataset, yield_batch, count)
+        for index, batch in enumerate(group[1:], 1):
+            _check_same_kind(dataset, group[0], batch, index, count)
+        return (group[0][0], *_joined(group))
 
     return read
 
