@@ -10,15 +10,16 @@ import jax
 import numpy as np
 
 from .. import _warnings
-from ..trainer._internal import OVERFLOW_STEPS, SKIPPED_STEPS, overflow_steps, skipped_steps
+from ..trainer._internal import (
+    MOVING_AVERAGE_LOSS,
+    OVERFLOW_STEPS,
+    SKIPPED_STEPS,
+    overflow_steps,
+    skipped_steps,
+)
 from ._batch_check import batch_advice
 from ._loop_metrics import GroupMetrics
 from ._rate_check import rate_problem
-
-MOVING_AVERAGE = "moving_average_loss"
-
-# (the last loop step of a dispatch turn, its metrics as `Trainer.run` returned them, the
-# turn's dispatches: their batches, kept by reference until checked), oldest first
 
 
 class StepToken(NamedTuple):
@@ -85,7 +86,7 @@ class FiniteChecker:
     def __init__(self) -> None:
         self.checked_through = -1  # the newest loop step known to be finite (or handled)
         self.handler: NonFiniteHandler | None = None
-        self._indicator = MOVING_AVERAGE
+        self._indicator = MOVING_AVERAGE_LOSS
         self._skipped_seen = 0.0
         self._overflows = False  # whether the steps report `overflow_steps`
         self._overflows_seen = 0.0
@@ -99,7 +100,9 @@ class FiniteChecker:
 
     def start_run(self, trainer: Any, start_step: int) -> None:
         """A run starts at `start_step` with freshly reset train metrics."""
-        self._indicator = SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE
+        self._indicator = (
+            SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE_LOSS
+        )
         self._skipped_seen = 0.0
         self._overflows = self._indicator == SKIPPED_STEPS and trainer.loss_scale == "dynamic"
         # Counted since training began (kept with the loss scale), not since this run.
@@ -135,7 +138,7 @@ class FiniteChecker:
         self.raise_failure()
         newest_step = window[-1].last_step
         value = _as_float(window[-1].metrics[self._indicator])
-        if self._indicator == MOVING_AVERAGE:
+        if self._indicator == MOVING_AVERAGE_LOSS:
             if not math.isfinite(value):
                 self._raise_first(loop, window, value)
         elif value != self._skipped_seen:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
+Metrics = dict[str, Any]  # a step's metrics by name, as hooks and `run_*` get them
 NEVER = sys.maxsize  # a `Schedule.next_step` that will not come
 # `loop.shared_data` key: functions `fn(loop_step)` the loop calls each time it has waited
 # for its steps in flight through `loop_step` (in batches, never one by one): when steps

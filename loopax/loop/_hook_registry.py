@@ -10,9 +10,8 @@ from typing import Any
 
 from .. import _validate
 from ._finite import NonFiniteLossError
-from ._hook import NEVER, Hook, HookError, Priority, RunInfo, Schedule
+from ._hook import NEVER, Hook, HookError, Metrics, Priority, RunInfo, Schedule
 
-Metrics = dict[str, Any]
 PHASES = (
     "OnStart",
     "OnStep",

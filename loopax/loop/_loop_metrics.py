@@ -11,11 +11,11 @@ import numpy as np
 from ..data import Dataset
 from ..data._internal import dataset_name
 from ._history import Evaluation, History, train_key
+from ._hook import Metrics
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-Metrics = dict[str, Any]
 LogFn = Callable[[int, dict[str, float]], Any]
 
 

@@ -25,14 +25,13 @@ from ._ahead import AheadCompiles
 from ._batch_check import HELD_BYTES, kept
 from ._epochs import EpochCount
 from ._finite import FiniteChecker, NonFiniteLossError, StepToken
-from ._hook import FINISHED, NEVER
+from ._hook import FINISHED, NEVER, Metrics
 from ._hook_registry import HookRegistry
 from ._loop_metrics import Chunk, GroupMetrics, LoopMetrics, every_step
 from ._lost_process import LostProcessWatch
 from ._signals import Interrupts, exit_interrupted, signal_name
 from ._stop_agreement import AgreedStop, StopAgreement
 
-Metrics = dict[str, Any]
 _logger = logging.getLogger("loopax")
 
 
