@@ -35,8 +35,8 @@ else:
 
 # One JAX compilation cache for the whole run: the controller makes it before the xdist
 # workers start, and they and every subprocess a test starts inherit it, so a program
-# compiled once (the same model in many tests and processes) loads from disk after. It
-# cut the hooks and loop tests from 2m44s to 1m45s on 2 cores. Fresh per run: nothing
+# compiled once (the same model in many tests and processes) loads from disk after (what it
+# saves: docs/benchmarks.md, "Why the code is the way it is"). Fresh per run: nothing
 # carries over between runs. Tests that need their own cache set the variable themselves.
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="loopax-tests-jax-cache-")

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 
 DEFAULT_LIMIT = 8
-# On one device no collective can deadlock, so more steps may queue: the host then sleeps
-# and wakes once per 17 steps. Each wake-up costs a thread hand-off that shows on a small
-# model: on a 40 µs step the bare loop went from 0.89 to 0.96 of a hand-written loop's rate.
+# On one device no collective can deadlock, so more steps may queue and the host wakes less
+# often (once per 17 steps): each wake-up is a thread hand-off that shows on a small model
+# (figures: docs/benchmarks.md, "Why the code is the way it is").
 SINGLE_DEVICE_LIMIT = 32
 
 
