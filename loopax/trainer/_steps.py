@@ -274,7 +274,7 @@ class StepBuilder:
         With accumulation, on its shard of each micro-batch.
 
         `rng` is the trainer's base key, compiled in as a constant; `state.rng` is None
-        here (see `Trainer._state`).
+        here (see `PlacedState`).
         """
         config = self.config
         scale = None
