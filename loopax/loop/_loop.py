@@ -12,12 +12,11 @@ from ..data import Dataset
 from ..trainer import Trainer
 from ._finite import FiniteChecker, NonFiniteHandler, NonFiniteLossError
 from ._history import Evaluation, History
-from ._hook import NEVER, Hook, Schedule
+from ._hook import NEVER, Hook, Metrics, Schedule
 from ._hook_registry import PHASES, HookRegistry
 from ._loop_metrics import LogFn, LoopMetrics
 from ._runner import Runner
 
-Metrics = dict[str, Any]
 _DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
 
 __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
@@ -31,41 +30,17 @@ def _runner_view(name: str, doc: str) -> Any:
 class Loop:
     """Runs a `Trainer` over a dataset for some steps or epochs, firing hooks.
 
-    Hooks run in ascending priority (ties in registration order) and receive the loop:
-    `fn(loop, dataset)` (OnStart), `fn(loop, metrics)` (OnStep, OnEpochEnd, OnEnd; the
-    step's metrics as `train_step` returned them, on the device), `fn(loop, evaluation)`
-    (OnEvaluation), `fn(loop, step)` (OnRestore), `fn(loop, error)` (OnError). While OnStep
-    hooks run, `loop_step` is the 0-based index of the step just run and
-    `trainer.global_step` is `loop_step + 1`; in OnEpochEnd and OnEnd, `loop_step` is one
-    past the last step run (`== trainer.global_step`).
+    Hooks run in ascending priority, ties in registration order, and are called with the
+    loop: `fn(loop, dataset)` (OnStart), `fn(loop, metrics)` (OnStep, OnEpochEnd, OnEnd: the
+    step's metrics on the device), `fn(loop, evaluation)` (OnEvaluation), `fn(loop, step)`
+    (OnRestore), `fn(loop, error)` (OnError). In OnStep `loop_step` is the step just run
+    (`trainer.global_step - 1`); in OnEpochEnd and OnEnd it is one past the last step.
+    What a hook may use is in the extending guide ("A hook").
 
-    What hooks may use (and the ready hooks use nothing else): the attributes below,
-    `host_metrics()` (the step's metrics read once however many hooks ask),
-    `record_train_metrics()`, `evaluate(dataset)` (once per step and dataset, published to
-    OnEvaluation hooks), `history`, `check_finite()`, `request_stop(reason)`,
-    `call_after_hooks(fn)`, `add_state(name, obj)` / `get_state()` / `set_state()`,
-    `resume_from(step)` and `handle_non_finite(fn)`.
-
-    Every step's loss is checked without a per-step host sync: it is read when the loop
-    already waits for that step (the in-flight bound), before any hook registered with
-    `check_finite` (by default those of priority >= `Priority.CHECKPOINT`) and before
-    OnEnd. A non-finite loss stops the run with `NonFiniteLossError` naming the first bad
-    step. SIGINT and SIGTERM during a run finish the current step, run the OnEnd hooks
-    (so a checkpoint hook saves) and exit with one line; a second signal exits at once.
-    On several processes, a signal or `request_stop` on one stops all, after a step they
-    agree on a few steps later (through JAX's coordination service, at the settle points).
-
-    Fused execution (`steps_per_execution=K > 1`): the loop reads up to K steps' batches,
-    stacks them and runs them in one compiled program (`Trainer.train_steps`), with the
-    same results as K single steps. Step-based schedules keep their steps exactly: a group
-    ends early at the next step a scheduled hook (`every_n_steps`, `n_times_during_loop`,
-    `exponential_callback`, checkpoint and evaluation schedules, ...) fires at, and group
-    lengths are powers of two, so a spec and shape compile at most log2(K) + 1 programs.
-    Hooks asked every step (a plain `on_step`, a progress bar) and time-based schedules run
-    once per group, at its last step, with its metrics; `group_metrics` holds every step's.
-    `request_stop` ends the run at the end of the group. The first non-finite loss inside a
-    group is still named. Checkpoints fall on group ends, and a run resumed with another K
-    continues identically.
+    Every loss is checked without a per-step host sync, and SIGINT or SIGTERM end a run
+    through its OnEnd hooks (the reliability guide). With `steps_per_execution=K > 1` each
+    `Trainer.run` takes up to K steps and every step-scheduled hook still fires at its step
+    (the fused execution guide).
 
     Args:
       trainer: the `Trainer` to run.

@@ -39,15 +39,9 @@ from ._trainer_args import (
 class Trainer:
     """Trains a model with an optax optimizer, one compiled step per batch kind.
 
-    The model is one of:
-    - a model function `model_fn(ctx, spec, inputs) -> predictions` (an array or a list),
-      running inside a Flax Linen scope so `nn.Dense(10)(x)` works in it;
-    - a `flax.linen.Module` instance, called as `module(*inputs)`, with `train=`,
-      `training=` or `deterministic=` set for train and eval steps when it takes one;
-    - a `flax.nnx.Module` instance, called as `module(*inputs)`: its `nnx.Param`s are
-      trained, its other variables are model state averaged across devices, its
-      `nnx.Rngs` streams derived per step and device from `seed`; `nnx_module()` gives it
-      back holding the trained values.
+    The model is a function `model_fn(ctx, spec, inputs) -> predictions` run in a Flax Linen
+    scope (`nn.Dense(10)(x)` works in it), a `flax.linen.Module` or a `flax.nnx.Module`
+    instance, called as `module(*inputs)` (the models guide).
 
     Args:
       model: the model function or module.
@@ -58,37 +52,29 @@ class Trainer:
       eval_metrics: `loopax.metrics.Metric` (or `HostMetric`) objects for eval steps.
       seed: seeds parameter initialization and the per-step RNG.
       init_params: start from these parameters (nested dicts of arrays, e.g.
-        `loopax.load_params(directory)`), or variables (`loopax.load_variables(directory)`:
-        the BatchNorm statistics too), instead of fresh ones; they must have the model's
-        structure and shapes. The trainer then predicts and evaluates before any step. To
-        keep some fixed, mask the optimizer (`optax.multi_transform`).
+        `loopax.load_params(directory)`) or variables (`loopax.load_variables(directory)`)
+        instead of fresh ones; they must have the model's structure and shapes.
       devices: the devices to split each batch over; default all of `jax.devices()`.
       parallel: `"shard_map"` (default: `jax.jit` of `jax.shard_map` over a 1-D mesh) or
         `"pmap"` (literal `jax.pmap` over local devices).
       mesh: None (1-D data parallel), a dict of axis sizes such as `{"data": 2, "model":
         2}` (one may be -1), or a `jax.sharding.Mesh` with Auto axes. With `mesh`, `rules`
-        or `fsdp` a step is one `jax.jit` over the global batch split over `"data"`, with
-        sharded state (`sharding_report()`), equal to one device's; `ctx.axis_name` is None.
+        or `fsdp` a step is one `jax.jit` over the global batch and `ctx.axis_name` is None
+        (the scale guide).
       rules: `(logical_name, mesh_axis or None)` pairs for annotated variables
         (`nn.with_logical_partitioning`, `nnx.with_partitioning`, `ctx.variable(axes=)`).
-      fsdp: shard each parameter of rank >= 2 that no annotation shards over `"data"`,
-        along its largest dimension that divides; optimizer state follows its parameter.
+      fsdp: shard each parameter of rank >= 2 that no annotation shards over `"data"`.
       max_executors: how many compiled steps to keep (the least recently used is evicted).
-      accumulate_steps: micro-batches per optimizer step (gradient accumulation): with K >
-        1, `train_step` takes inputs and labels with a leading axis of k <= K micro-batches
-        (the Loop stacks K batches) and runs them in one `lax.scan`, one micro-batch's
-        activations at a time: the gradient is their mean, one update, one global step.
-      compute_dtype: `jnp.bfloat16` or `jnp.float16`: the model computes in it while
-        parameters and optimizer state stay float32; predictions are cast to float32 before
-        the loss and metrics. None (default): the parameters' dtype.
-      loss_scale: with a reduced `compute_dtype`, `"dynamic"` scales the loss (from 2**15):
-        a step whose gradients overflow is skipped and the scale halved; it doubles after
-        2000 finite steps in a row (train metrics `"loss_scale"`, `"overflow_steps"`). A
-        positive number is a static scale. None: no scaling.
-      ema_decay: keep an exponential moving average of the parameters in the compiled
-        step, `ema = ema_decay * ema + (1 - ema_decay) * params` after each optimizer step
-        (a skipped step leaves it), from the initial parameters; `ema_params` reads it,
-        checkpoints keep it, and evaluation and prediction use it. E.g. 0.999. None: none.
+      accumulate_steps: micro-batches per optimizer step (gradient accumulation in one
+        `lax.scan`: the precision guide); with K > 1 `train_step` takes arrays with a leading
+        axis of k <= K micro-batches.
+      compute_dtype: `jnp.bfloat16` or `jnp.float16`, the dtype the model computes in;
+        parameters and optimizer state stay float32. None (default): the parameters' dtype.
+      loss_scale: with a reduced `compute_dtype`, `"dynamic"` (skip steps whose gradients
+        overflow and adapt the scale), a positive static scale, or None (no scaling).
+      ema_decay: keep an exponential moving average of the parameters (e.g. 0.999), which
+        `ema_params` reads, checkpoints keep and evaluation and prediction use (the evaluation
+        guide). None: none.
       log_grad_norm: add train metrics `"grad_norm"` and `"update_norm"` (global L2 norms).
 
     Raises:
