@@ -36,8 +36,8 @@ class PackedAverage:
 
 
 # Packing pays where leaves are small: the step joins the parameters into the vectors it
-# averages, a copy of them; on an MLP of 670k parameters in 6 leaves (450 KB a leaf) that
-# copy cost 10% of its step, on one of 10k in 4 (10 KB a leaf) the 3 leaves saved 5%.
+# averages, a copy that costs more than it saves on large leaves (docs/benchmarks.md, "Why
+# the code is the way it is").
 _PACK_MEAN_LEAF_BYTES = 32 * 1024
 
 
