@@ -457,19 +457,24 @@ class BadBatchError(ValueError):
 def checked_batch(dataset: Any, batch: Any) -> Batch:
     """`batch`, the result of one `yield_batch()` of `dataset`, checked to be a batch.
 
-    The check every read of a batch makes (~30 ns a call beside the test written inline).
+    The check every read of a batch makes.
 
     Raises:
       BadBatchError: `batch` is not a `(spec, inputs, labels)` tuple.
     """
     if type(batch) is tuple and len(batch) == 3:
         return batch
+    raise bad_batch_error(dataset, batch)
+
+
+def bad_batch_error(dataset: Any, batch: Any) -> BadBatchError:
+    """The error for a `yield_batch()` result that is not `(spec, inputs, labels)`."""
     size = (
         f"a tuple of {len(batch)} items"
         if isinstance(batch, tuple)
         else f"a {type(batch).__name__}"
     )
-    raise BadBatchError(
+    return BadBatchError(
         f"dataset {shown_name(dataset)!r} yielded {size}; yield_batch() must "
         "return (spec, inputs, labels). For (inputs, labels) pairs return "
         "(None, inputs, labels), or wrap a generator in loopax.IterableDataset, which "
