@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,7 +17,6 @@ from ._loop_metrics import LogFn, LoopMetrics
 from ._runner import Runner
 
 Metrics = dict[str, Any]
-_DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
 
 __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
@@ -115,25 +113,14 @@ class Loop:
         )
         self.history = History()
         self.shared_data: dict[str, Any] = {}
-        self.train_step_durations: collections.deque[float] = collections.deque(
-            maxlen=_DURATIONS_KEPT
-        )
         self.checkpointed_step: int | None = None
-        # Before a hook registered with `check_finite`: the check (which may roll back).
-        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite(), trainer)
+        self._hooks = HookRegistry(self, self.check_finite)
         self._loop_metrics = LoopMetrics(
             trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
         )
         self._finite = FiniteChecker()
         self._runner = Runner(
-            trainer,
-            self.steps_per_execution,
-            self._hooks,
-            self._loop_metrics,
-            self._finite,
-            self,
-            self.train_step_durations,
-            lambda: self.checkpointed_step,
+            self, self.steps_per_execution, self._hooks, self._loop_metrics, self._finite
         )
 
     # -- where the run stands (the runner's, read-only; see the class) -------------------
@@ -153,6 +140,9 @@ class Loop:
     stop_reason = _runner_view("stop_reason", "The reason given to `request_stop`, or None.")
     interrupted = _runner_view("interrupted", "Whether a signal stopped the run (see the class).")
     running = _runner_view("running", "Whether a run (`run_steps`, `run_epochs`) is in progress.")
+    train_step_durations = _runner_view(
+        "step_durations", "Seconds per step, hooks included (the last 1024 steps)."
+    )
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -263,10 +253,7 @@ class Loop:
         That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
         commits there, after the logs of its step are written.
         """
-        if self._runner.running:
-            self._hooks.after_hooks.append(fn)
-        else:
-            fn()
+        self._runner.call_after_hooks(fn)
 
     # -- state that checkpoints carry -----------------------------------------------------
 
@@ -394,7 +381,7 @@ class Loop:
         Those are the steps skipped for a non-finite loss or gradient
         (`Trainer.skip_non_finite_steps`). None removes `fn`. `hooks.nan_guard` sets it.
         """
-        self._finite.handler = fn
+        self._finite.set_handler(fn)
 
     def check_finite(self) -> None:
         """Waits for the steps in flight and checks their losses.
