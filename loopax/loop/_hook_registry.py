@@ -30,7 +30,9 @@ class HookOwner(Protocol):
     """The loop whose hooks a `HookRegistry` runs, as the registry sees it (a `Loop` is one).
 
     Where its run stands (a `RunInfo`: the first four), for the schedules; `trainer`, for
-    the global step a hook's error names. Every hook receives it as its first argument.
+    the global step a hook's error names; `check_finite()`, called before a hook registered
+    with `check_finite` runs (it may roll back, and so halt the phase). Every hook receives
+    it as its first argument.
     """
 
     @property
@@ -43,6 +45,7 @@ class HookOwner(Protocol):
     def epoch(self) -> int: ...
     @property
     def trainer(self) -> Any: ...
+    def check_finite(self) -> None: ...
 
 
 class HookRegistry:
@@ -53,11 +56,11 @@ class HookRegistry:
     steps where no scheduled hook is due cost one comparison.
 
     Args:
-      loop: what every hook receives as its first argument (the loop): where the run
-        stands, for the schedules and for the step errors name, with its trainer, whose
-        `global_step` a hook's error names beside the loop step where they differ.
-      check_finite: called before a hook registered with `check_finite` runs (the loop's
-        finite check, which may roll back and so halt the phase).
+      loop: what every hook receives as its first argument (`HookOwner`, the loop): where
+        the run stands, for the schedules and for the step errors name; its trainer, whose
+        `global_step` a hook's error names beside the loop step where they differ; its
+        finite check, asked before a hook registered with `check_finite` (looked up at each
+        call, so that a wrapper set on the loop sees every check).
 
     Its state is read by the loop's `Runner` and changed only by its own methods: the
     runner says when the hooks halt (`halt`, `resume`), when a run's steps start and end
@@ -74,11 +77,10 @@ class HookRegistry:
       after_hooks: what `defer` deferred, run by `run_after_hooks`.
     """
 
-    def __init__(self, loop: HookOwner, check_finite: Callable[[], None]) -> None:
+    def __init__(self, loop: HookOwner) -> None:
         self._owner = loop
         self._run: RunInfo = loop
         self._trainer = loop.trainer
-        self._check_finite = check_finite
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
         self._every_step: list[Hook] = []  # OnStep hooks visited after every step
@@ -239,7 +241,7 @@ class HookRegistry:
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
-            self._check_finite()
+            self._owner.check_finite()
             if self.halted:
                 return
         try:

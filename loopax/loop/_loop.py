@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,8 +23,8 @@ __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
 
 def _runner_view(name: str, doc: str) -> Any:
-    """A read-only property of the `Loop`: its runner's attribute `name`."""
-    return property(lambda self: getattr(self._runner, name), doc=doc)
+    """A read-only property of the `Loop`: its runner's attribute `name` (dotted: a member's)."""
+    return property(operator.attrgetter(f"_runner.{name}"), doc=doc)
 
 
 class Loop:
@@ -114,7 +115,7 @@ class Loop:
         self.history = History()
         self.shared_data: dict[str, Any] = {}
         self.checkpointed_step: int | None = None
-        self._hooks = HookRegistry(self, self.check_finite)
+        self._hooks = HookRegistry(self)
         self._loop_metrics = LoopMetrics(
             trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
         )
@@ -137,8 +138,10 @@ class Loop:
 
     run_index = _runner_view("run_index", "Incremented at the start of every run.")
     metrics = _runner_view("metrics", "The latest step's metrics, on the device.")
-    stop_reason = _runner_view("stop_reason", "The reason given to `request_stop`, or None.")
-    interrupted = _runner_view("interrupted", "Whether a signal stopped the run (see the class).")
+    stop_reason = _runner_view("stop.reason", "The reason given to `request_stop`, or None.")
+    interrupted = _runner_view(
+        "stop.interrupted", "Whether a signal stopped the run (see the class)."
+    )
     running = _runner_view("running", "Whether a run (`run_steps`, `run_epochs`) is in progress.")
     train_step_durations = _runner_view(
         "step_durations", "Seconds per step, hooks included (the last 1024 steps)."
@@ -373,7 +376,7 @@ class Loop:
 
     def request_stop(self, reason: str = "") -> None:
         """Ends the run after the current step's hooks; OnEnd hooks still run."""
-        self._runner.request_stop(reason)
+        self._runner.stop.request(reason)
 
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
         """Makes `fn(loop, steps)` handle the steps the trainer skipped, instead of a warning.

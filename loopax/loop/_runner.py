@@ -29,8 +29,7 @@ from ._hook import FINISHED, NEVER
 from ._hook_registry import HookRegistry
 from ._loop_metrics import Chunk, GroupMetrics, LoopMetrics, every_step
 from ._lost_process import LostProcessWatch
-from ._signals import Interrupts, exit_interrupted, signal_name
-from ._stop_agreement import AgreedStop, StopAgreement
+from ._run_stop import RunStop
 
 Metrics = dict[str, Any]
 _logger = logging.getLogger("loopax")
@@ -81,15 +80,13 @@ class Runner:
       finite: the finite checks of every step's loss.
 
     Attributes:
-      loop_step, start_step, end_step, epoch, run_index, metrics, stop_reason: as in
-        `Loop`, which shows them.
+      loop_step, start_step, end_step, epoch, run_index, metrics: as in `Loop`, which
+        shows them.
       metrics_step: the loop step of `metrics` (-1 before any).
       group: the latest group of fused steps, or None (`steps_per_execution=1`).
       running: whether a run is in progress.
-      stop_requested: whether the run ends after the current step's hooks.
-      interrupted: whether SIGINT or SIGTERM stopped the run before its last step (on
-        this process, or on the process whose stop every process agreed on); set before
-        the OnEnd hooks, cleared when the next run starts.
+      stop: how the run ends early (`RunStop`): its `requested`, `reason` (the Loop's
+        `stop_reason`) and `interrupted`.
       step_durations: seconds per step, hooks included, of the last `STEP_DURATIONS_KEPT`
         steps.
     """
@@ -122,9 +119,6 @@ class Runner:
         self.metrics_step = -1
         self.group: GroupMetrics | None = None
         self.running = False
-        self.stop_requested = False
-        self.stop_reason: str | None = None
-        self.interrupted = False
         self._epoch_batches = 0
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
@@ -133,26 +127,10 @@ class Runner:
         # Several processes: a process reads the agreed stop at its settle points, which come
         # at most `limit + 1` dispatches apart, and no process runs more than that ahead of
         # another's dispatched steps; twice that, and one, is past any process's first look.
-        self._stop_margin = (2 * self._in_flight.limit + 3) * steps_per_execution
-        self._agreement: StopAgreement | None = None  # during a run on several processes
-        self._stop_adopted = False  # whether the run's steps go to the agreed stop already
-        self._interrupts = Interrupts(self._on_signal)
+        self.stop = RunStop(trainer, (2 * self._in_flight.limit + 3) * steps_per_execution)
         self._iterable = RunIterable()
 
     # -- what the loop asks between steps -------------------------------------------------
-
-    def request_stop(self, reason: str, signum: int | None = None) -> None:
-        """Ends the run after the current step's hooks.
-
-        On several processes, after the step all of them agree on (`StopAgreement`): the
-        steps stop at once, to propose it.
-        """
-        if self._agreement is not None:
-            if self._agreement.want(reason, signum):
-                self.stop_requested = True  # out of the steps, to propose the stop now
-            return
-        self.stop_requested = True
-        self.stop_reason = reason
 
     def report_error(self, error: BaseException) -> None:
         """Raises `error` after the current step's hooks, or at the next run's start."""
@@ -252,7 +230,7 @@ class Runner:
             # A position restored from a save at an epoch's end (every_n_epochs) is at the
             # end of its data: the run starts with the next pass, not with an empty one.
             at_end_of_pass = True
-            while self.epoch < epochs and not self._stops_here():
+            while self.epoch < epochs and not self.stop.here(self.loop_step):
                 self._epoch_batches = 0
                 if not self._train_until(dataset, NEVER):
                     break  # a stop was requested
@@ -285,9 +263,6 @@ class Runner:
         self._loop_metrics.resolve_logs(NEVER)
         self._hooks.run_after_hooks()
 
-    def _on_signal(self, signum: int) -> None:
-        self.request_stop(f"interrupted by {signal_name(signum)}", signum)
-
     def _settle(self) -> None:
         """Waits for every step in flight and checks their losses."""
         window = self._in_flight.wait_all()
@@ -298,42 +273,7 @@ class Runner:
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
             self._loop_metrics.resolve_logs(NEVER)
-        agreement = self._agreement
-        if agreement is not None and not self._stop_adopted and agreement.poll(self.loop_step):
-            self.stop_requested = True  # out of the steps, to go on to the agreed one
-
-    def _agreed_stop_step(self, agreement: StopAgreement, step: int, stop_step: int) -> int:
-        """`stop_step` brought to one past the agreed stop, if any; `step`: dispatched last."""
-        agreed = agreement.poll(step)
-        if agreed is None:
-            return stop_step
-        if step > agreed.step:
-            raise RuntimeError(
-                f"process {agreed.process} asked every process to stop after step "
-                f"{agreed.step} ({agreed.reason}), but this one had already run step {step}; "
-                "the processes were further apart than their steps in flight allow (does "
-                "every step hold a collective over the processes' devices?)"
-            )
-        self._stop_adopted = True
-        return min(stop_step, agreed.step + 1)
-
-    def _stops_here(self) -> bool:
-        """Between steps: whether the run ends at `loop_step` (a stop was asked or agreed).
-
-        On several processes only at the agreed step: it sets `stop_reason` to the agreed
-        reason, the same on every process.
-        """
-        agreement = self._agreement
-        if agreement is None:
-            return self.stop_requested
-        agreed = agreement.poll(self.loop_step)
-        self.stop_requested = False
-        if agreed is not None and self._agreed_stop_step(agreement, self.loop_step - 1, NEVER) <= (
-            self.loop_step
-        ):
-            self.stop_requested = True
-            self.stop_reason = agreed.shown_reason
-        return self.stop_requested
+        self.stop.poll(self.loop_step)  # several processes: a stop agreed on
 
     def _settle_between_steps(self) -> None:
         """`_settle` where no step is half done: a rollback it causes needs no skipping."""
@@ -344,13 +284,12 @@ class Runner:
     def _run(self, dataset: Dataset, end_step: int, end_epoch: int | None = None) -> Iterator[None]:
         if self.running:
             raise RuntimeError("this Loop is already running; a hook cannot start another run")
-        self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
-        self._stop_adopted = False
+        interrupts = self.stop.open()
         self.running = True
         # Several processes: one that stops answering ends the others, even inside a collective.
         with LostProcessWatch.for_run(self._trainer.devices, self._loop):
             try:
-                with self._interrupts:
+                with interrupts:
                     self._start_run(dataset, end_step, end_epoch)
                     yield
             except BaseException as error:
@@ -363,12 +302,8 @@ class Runner:
                 self.running = False
                 self._hooks.end_steps()
                 self.epoch_count.end_run()
-                agreed = self._close_agreement()
-        signum = self._interrupts.received
-        if signum is None and agreed is not None and self.loop_step == agreed.step + 1:
-            signum = agreed.signum  # the signal another process got: every process exits so
-        if signum is not None:
-            exit_interrupted(signum, self._trainer.global_step, self._loop.checkpointed_step)
+                agreed = self.stop.close()
+        self.stop.exit_if_signaled(agreed, self.loop_step, self._loop.checkpointed_step)
 
     def _hand_out_logs_at(self, error: BaseException) -> None:
         """The train logs asked for before `error`: handed out, or dropped.
@@ -384,15 +319,6 @@ class Runner:
             except Exception:
                 _logger.exception("writing the train logs of the steps before the error failed")
         self._loop_metrics.drop_logs()
-
-    def _close_agreement(self) -> AgreedStop | None:
-        """Ends the run's agreement, if any; the stop it agreed on."""
-        agreement, self._agreement = self._agreement, None
-        if agreement is None:
-            return None
-        agreed = agreement.agreed
-        agreement.close()
-        return agreed
 
     def _start_run(self, dataset: Dataset, end_step: int, end_epoch: int | None) -> None:
         if self._pending_error is not None:
@@ -410,9 +336,8 @@ class Runner:
         self.run_index += 1
         self.loop_step = self.start_step = trainer.global_step
         self.end_step = self.epoch_count.end_step(resumed, continuing, end_step)
-        self.stop_requested = self.interrupted = False
+        self.stop.start_run()
         self._hooks.resume()
-        self.stop_reason = None
         self.metrics = {}
         self.metrics_step = self.loop_step - 1
         self.run_phase("OnStart", dataset)
@@ -448,13 +373,14 @@ class Runner:
         turn_budget = HELD_BATCH_BYTES // self._in_flight.limit
         record_duration = self.step_durations.append
         clock = time.perf_counter
-        agreement = self._agreement
+        stop = self.stop
+        agreement = stop.agreement
         ahead = AheadCompiles(self._trainer, per_execution)
         while True:
             sentinel = self._finite.sentinel_metric  # its newest value flags a bad window
             if agreement is not None:  # several processes: not past a stop they agreed on
-                stop_step = self._agreed_stop_step(agreement, self.loop_step - 1, stop_step)
-            while self.loop_step < stop_step and not self.stop_requested:
+                stop_step = stop.agreed_stop_step(self.loop_step - 1, stop_step)
+            while self.loop_step < stop_step and not stop.requested:
                 started = clock()
                 first = self.loop_step
                 # A group stops at the run's stop or after the next step a hook fires at.
@@ -502,7 +428,7 @@ class Runner:
                     if loop_metrics.pending_logs:
                         loop_metrics.resolve_logs(window[-1].last_step)
                     if agreement is not None:  # several processes: a settle point
-                        stop_step = self._agreed_stop_step(agreement, last, stop_step)
+                        stop_step = stop.agreed_stop_step(last, stop_step)
                 if not hooks.halted:
                     self.loop_step = last
                     hooks.step_hooks(metrics, last)
@@ -520,24 +446,11 @@ class Runner:
                 hooks.resume()
                 continue
             # Several processes: a stop asked, not at its agreed step yet, goes on to it.
-            if agreement is None or self._stops_here() or self.loop_step >= stop_step:
+            if agreement is None or stop.here(self.loop_step) or self.loop_step >= stop_step:
                 return False
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
-        self.interrupted = self._stopped_by_signal()
+        self.stop.end(self.loop_step, self.end_step)
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
-
-    def _stopped_by_signal(self) -> bool:
-        """Whether a signal ends the run before its last step (see `interrupted`).
-
-        On several processes the agreed stop decides, so every process answers alike.
-        """
-        if self.loop_step == self.end_step:
-            return False  # the run is complete, whenever a signal came
-        agreement = self._agreement
-        if agreement is not None:
-            agreed = agreement.agreed
-            return agreed is not None and agreed.signum is not None
-        return self._interrupts.received is not None
