@@ -23,10 +23,10 @@ from ..data._internal import Dispatch, OnDevice, Stacked, as_list
 # turn whose batches take more than this divided by the window's length is not held (an
 # image model's batches of tens of MB, 33 turns in flight, would hold gigabytes), and a
 # non-finite loss in it says its batch was not kept.
-HELD_BYTES = 256 * 2**20
+HELD_BATCH_BYTES = 256 * 2**20
 
 
-def kept(dispatches: list[Dispatch], turn_budget: int) -> list[Dispatch]:
+def batches_to_hold(dispatches: list[Dispatch], turn_budget: int) -> list[Dispatch]:
     """`dispatches` to hold until their losses are checked, or [] when over `turn_budget`.
 
     Per dispatch turn, in the loop's hot path: a few attribute reads. On-device data holds
@@ -109,7 +109,7 @@ def _step_batch(
     if not dispatches:
         raise LookupError(
             "its batches were not kept while in flight: they are larger than "
-            f"{HELD_BYTES // 2**20} MiB over the window of steps in flight"
+            f"{HELD_BATCH_BYTES // 2**20} MiB over the window of steps in flight"
         )
     at = first_step
     for dispatch in dispatches:

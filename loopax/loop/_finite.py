@@ -124,9 +124,17 @@ class FiniteChecker:
             self._overflows_seen = self._overflows_in(state)
 
     @property
-    def indicator(self) -> str:
-        """The metric whose newest value tells whether a window needs a closer look."""
+    def sentinel_metric(self) -> str:
+        """The metric whose newest value tells whether a window needs a closer look.
+
+        The loss's moving average, or while the trainer skips non-finite steps the count
+        of skipped steps (see the class).
+        """
         return self._indicator
+
+    def set_handler(self, handler: NonFiniteHandler | None) -> None:
+        """Hands the skipped steps to `handler(loop, steps)` instead of a warning; None: warn."""
+        self.handler = handler
 
     def verify(self, loop: Any, window: Window) -> None:
         """Checks the steps of `window` (all finished); raises or calls the handler.

@@ -135,9 +135,7 @@ class History(Mapping[str, list[tuple[int, float]]]):
                 "History.to_pandas needs pandas, which is not installed: pip install pandas"
             ) from err
         columns = {key: dict(series) for key, series in self._series.items()}
-        frame = pandas.DataFrame(columns).sort_index()
-        frame.index.name = "step"
-        return frame
+        return pandas.DataFrame(columns).sort_index().rename_axis("step")
 
     def get_state(self) -> dict[str, Any]:
         """The history as JSON-serializable data (non-finite values as strings)."""

@@ -6,7 +6,7 @@ import bisect
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _validate
 from ._finite import NonFiniteLossError
@@ -25,6 +25,28 @@ PHASES = (
 _logger = logging.getLogger("loopax")
 
 
+class HookOwner(Protocol):
+    """The loop whose hooks a `HookRegistry` runs, as the registry sees it (a `Loop` is one).
+
+    Where its run stands (a `RunInfo`: the first four), for the schedules; `trainer`, for
+    the global step a hook's error names; `check_finite()`, called before a hook registered
+    with `check_finite` runs (it may roll back, and so halt the phase). Every hook receives
+    it as its first argument.
+    """
+
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def end_step(self) -> int: ...
+    @property
+    def loop_step(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def trainer(self) -> Any: ...
+    def check_finite(self) -> None: ...
+
+
 class HookRegistry:
     """Holds the hooks of each phase and runs them.
 
@@ -33,35 +55,31 @@ class HookRegistry:
     steps where no scheduled hook is due cost one comparison.
 
     Args:
-      owner: what every hook receives as its first argument (the loop).
-      run: where the run stands, for the schedules and for the step errors name.
-      before: called with a hook registered with `check_finite` before it runs (the
-        finite check, which may halt the phase).
-      trainer: has the `global_step` a hook's error names beside the loop step where they
-        differ.
+      loop: what every hook receives as its first argument (`HookOwner`, the loop): where
+        the run stands, for the schedules and for the step errors name; its trainer, whose
+        `global_step` a hook's error names beside the loop step where they differ; its
+        finite check, asked before a hook registered with `check_finite` (looked up at each
+        call, so that a wrapper set on the loop sees every check).
+
+    Its state is read by the loop's `Runner` and changed only by its own methods: the
+    runner says when the hooks halt (`halt`, `resume`), when a run's steps start and end
+    (`start_steps`, `end_steps`), and what waits for the end of a phase (`defer`).
 
     Attributes:
       halted: True while the run has gone back to an earlier step (a rollback): the
-        hooks left in the phase running are skipped. The owner sets and clears it.
-      scheduling: True from a run's first step until its end: a step schedule registered
-        then starts at once.
+        hooks left in the phase running are skipped. Set by `halt`, cleared by `resume`.
+      scheduling: True from a run's first step until its end (`start_steps`,
+        `end_steps`): a step schedule registered then starts at once.
       wake_step: the next step at which a step-scheduled OnStep hook may fire.
       exact_wake_step: the next step at which a hook fires by steps, not by the clock;
         fused groups end there.
-      after_hooks: what `call_after_hooks` deferred, run by `run_after_hooks`.
+      after_hooks: what `defer` deferred, run by `run_after_hooks`.
     """
 
-    def __init__(
-        self,
-        owner: Any,
-        run: RunInfo,
-        before: Callable[[Hook], None],
-        trainer: Any,
-    ) -> None:
-        self._owner = owner
-        self._run = run
-        self._trainer = trainer
-        self._before = before
+    def __init__(self, loop: HookOwner) -> None:
+        self._owner = loop
+        self._run: RunInfo = loop
+        self._trainer = loop.trainer
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
         self._every_step: list[Hook] = []  # OnStep hooks visited after every step
@@ -167,12 +185,32 @@ class HookRegistry:
 
     # -- schedules ------------------------------------------------------------------------
 
-    def schedules(self) -> Iterator[Schedule]:
+    def _schedules(self) -> Iterator[Schedule]:
         """The schedules of the scheduled hooks (OnStep and OnEpochEnd)."""
         for phase in ("OnStep", "OnEpochEnd"):
             for hook in self._hooks[phase]:
                 if hook.schedule is not None:
                     yield hook.schedule
+
+    def start_steps(self) -> None:
+        """A run's steps start: every schedule starts its run from the run's step.
+
+        From now until `end_steps`, a schedule registered (by a hook) starts at once.
+        """
+        for schedule in self._schedules():
+            schedule.start_run(self._run)
+        self.reschedule()
+        self.scheduling = True
+
+    def end_steps(self) -> None:
+        """The run is over: a schedule registered from now on starts with the next run."""
+        self.scheduling = False
+
+    def restart_schedules(self) -> None:
+        """The run went back to an earlier step: every schedule restarts from there."""
+        for schedule in self._schedules():
+            schedule.restart(self._run)
+        self.reschedule()
 
     def _step_scheduled(self) -> Iterator[Hook]:
         """The OnStep hooks whose schedule names its next step (not asked every step)."""
@@ -202,7 +240,7 @@ class HookRegistry:
 
     def _call(self, hook: Hook, argument: Any) -> None:
         if hook.check_finite:
-            self._before(hook)
+            self._owner.check_finite()
             if self.halted:
                 return
         try:
@@ -285,6 +323,24 @@ class HookRegistry:
                 hook.fn(self._owner, error)
             except Exception:
                 _logger.exception("OnError hook %r failed", hook.name)
+
+    # -- halting and deferring -----------------------------------------------------------
+
+    def halt(self) -> None:
+        """Skips the hooks left in the phase running: the run went back to an earlier step."""
+        self.halted = True
+
+    def resume(self) -> None:
+        """Lets the hooks run again after `halt` (the run goes on from its new step)."""
+        self.halted = False
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Runs `fn()` at the next `run_after_hooks`, once the phase's hooks have run."""
+        self.after_hooks.append(fn)
+
+    def drop_deferred(self) -> None:
+        """Forgets what `defer` holds, unrun (a run that raised)."""
+        self.after_hooks.clear()
 
     def run_after_hooks(self) -> None:
         """Runs, once, what `after_hooks` holds."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import functools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,14 +17,12 @@ from ._hook_registry import PHASES, HookRegistry
 from ._loop_metrics import LogFn, LoopMetrics
 from ._runner import Runner
 
-_DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
-
 __all__ = ["PHASES", "Loop", "NonFiniteLossError"]
 
 
 def _runner_view(name: str, doc: str) -> Any:
-    """A read-only property of the `Loop`: its runner's attribute `name`."""
-    return property(lambda self: getattr(self._runner, name), doc=doc)
+    """A read-only property of the `Loop`: its runner's attribute `name` (dotted: a member's)."""
+    return property(operator.attrgetter(f"_runner.{name}"), doc=doc)
 
 
 class Loop:
@@ -90,25 +88,14 @@ class Loop:
         )
         self.history = History()
         self.shared_data: dict[str, Any] = {}
-        self.train_step_durations: collections.deque[float] = collections.deque(
-            maxlen=_DURATIONS_KEPT
-        )
         self.checkpointed_step: int | None = None
-        # Before a hook registered with `check_finite`: the check (which may roll back).
-        self._hooks = HookRegistry(self, self, lambda hook: self.check_finite(), trainer)
+        self._hooks = HookRegistry(self)
         self._loop_metrics = LoopMetrics(
             trainer, self.history, functools.partial(self._hooks.run_phase, "OnEvaluation")
         )
         self._finite = FiniteChecker()
         self._runner = Runner(
-            trainer,
-            self.steps_per_execution,
-            self._hooks,
-            self._loop_metrics,
-            self._finite,
-            self,
-            self.train_step_durations,
-            lambda: self.checkpointed_step,
+            self, self.steps_per_execution, self._hooks, self._loop_metrics, self._finite
         )
 
     # -- where the run stands (the runner's, read-only; see the class) -------------------
@@ -125,9 +112,14 @@ class Loop:
 
     run_index = _runner_view("run_index", "Incremented at the start of every run.")
     metrics = _runner_view("metrics", "The latest step's metrics, on the device.")
-    stop_reason = _runner_view("stop_reason", "The reason given to `request_stop`, or None.")
-    interrupted = _runner_view("interrupted", "Whether a signal stopped the run (see the class).")
+    stop_reason = _runner_view("stop.reason", "The reason given to `request_stop`, or None.")
+    interrupted = _runner_view(
+        "stop.interrupted", "Whether a signal stopped the run (see the class)."
+    )
     running = _runner_view("running", "Whether a run (`run_steps`, `run_epochs`) is in progress.")
+    train_step_durations = _runner_view(
+        "step_durations", "Seconds per step, hooks included (the last 1024 steps)."
+    )
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -238,10 +230,7 @@ class Loop:
         That is, this step's OnStep hooks, or the OnEnd hooks; at once outside a run. A checkpoint
         commits there, after the logs of its step are written.
         """
-        if self._runner.running:
-            self._hooks.after_hooks.append(fn)
-        else:
-            fn()
+        self._runner.call_after_hooks(fn)
 
     # -- state that checkpoints carry -----------------------------------------------------
 
@@ -361,7 +350,7 @@ class Loop:
 
     def request_stop(self, reason: str = "") -> None:
         """Ends the run after the current step's hooks; OnEnd hooks still run."""
-        self._runner.request_stop(reason)
+        self._runner.stop.request(reason)
 
     def handle_non_finite(self, fn: NonFiniteHandler | None) -> None:
         """Makes `fn(loop, steps)` handle the steps the trainer skipped, instead of a warning.
@@ -369,7 +358,7 @@ class Loop:
         Those are the steps skipped for a non-finite loss or gradient
         (`Trainer.skip_non_finite_steps`). None removes `fn`. `hooks.nan_guard` sets it.
         """
-        self._finite.handler = fn
+        self._finite.set_handler(fn)
 
     def check_finite(self) -> None:
         """Waits for the steps in flight and checks their losses.

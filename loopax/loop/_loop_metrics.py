@@ -150,6 +150,10 @@ class LoopMetrics:
             for callback, extra_keys in callbacks:
                 callback(step + 1, {**keyed, **{key: extra[key] for key in extra_keys}})
 
+    def drop_logs(self) -> None:
+        """Forgets every pending log, unread (a run that raised)."""
+        self.pending_logs.clear()
+
     def forget_from(self, step: int) -> None:
         """Forgets the pending logs of loop steps `>= step` and the evaluations held."""
         self._evaluations_step = -1

@@ -119,6 +119,16 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    def add_watcher(self) -> int:
+        """A run starts watching for a loss; how many watch now."""
+        self.watching += 1
+        return self.watching
+
+    def remove_watcher(self) -> int:
+        """A run stops watching for a loss; how many still watch."""
+        self.watching -= 1
+        return self.watching
+
     def beats_into(self, client: Any) -> bool:
         """Whether this heartbeat beats, into `client`'s store."""
         return client is self._client and not self._stopped.is_set()
@@ -365,8 +375,7 @@ class LostProcessWatch:
     def watching(self, directory: Callable[[], Path | None]) -> Any:
         """Acts on a lost process while the block runs."""
         self._directory = directory
-        self.heartbeat.watching += 1
-        if self.heartbeat.watching == 1:
+        if self.heartbeat.add_watcher() == 1:
             self._guard.install()
         try:
             yield self
@@ -378,8 +387,7 @@ class LostProcessWatch:
             self.heartbeat.wait_for_beats()
             raise
         finally:
-            self.heartbeat.watching -= 1
-            if not self.heartbeat.watching:
+            if not self.heartbeat.remove_watcher():
                 self._guard.uninstall()
 
     def _lost_at_abort(self) -> Lost | None:

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _validate, _warnings
 from ..data import Dataset
@@ -22,17 +22,39 @@ from ..data._internal import (
 from ..trainer import Trainer
 from ..trainer._internal import InFlight, limit_for
 from ._ahead import AheadCompiles
-from ._batch_check import HELD_BYTES, kept
+from ._batch_check import HELD_BATCH_BYTES, batches_to_hold
 from ._epochs import EpochCount
 from ._finite import FiniteChecker, NonFiniteLossError, StepToken
 from ._hook import FINISHED, NEVER, Metrics
 from ._hook_registry import HookRegistry
 from ._loop_metrics import Chunk, GroupMetrics, LoopMetrics, every_step
 from ._lost_process import LostProcessWatch
-from ._signals import Interrupts, exit_interrupted, signal_name
-from ._stop_agreement import AgreedStop, StopAgreement
+from ._run_stop import RunStop
 
 _logger = logging.getLogger("loopax")
+STEP_DURATIONS_KEPT = 1024  # step durations kept for the median: bounded memory on long runs
+
+
+class RunOwner(Protocol):
+    """The loop a `Runner` runs for, as the runner sees it (a `Loop` is one).
+
+    The runner reads these, and hands the object itself to what it calls back: the
+    non-finite handler (`Loop.handle_non_finite`) and the lost-process report.
+
+    Attributes:
+      trainer: the trainer to run.
+      shared_data: hooks' shared dict; its `FINISHED` entry lists the functions to call
+        when steps have finished.
+      checkpointed_step: the newest global step a checkpoint saved, or None (for the line
+        an interrupted run ends with).
+    """
+
+    @property
+    def trainer(self) -> Trainer: ...
+    @property
+    def shared_data(self) -> dict[str, Any]: ...
+    @property
+    def checkpointed_step(self) -> int | None: ...
 
 
 class Runner:
@@ -44,48 +66,48 @@ class Runner:
     waits for it anyway (`FiniteChecker`), hands out the pending logs, and runs the step
     hooks, all in one tail per dispatch.
 
+    Each member changes its own state through its own methods: the runner tells the hooks
+    when they halt and when a run's steps start (`HookRegistry.halt`, `start_steps`, ...),
+    the finite checker what it checks, the loop metrics which logs to hand out; it writes
+    no attribute of theirs.
+
     Args:
-      trainer: the `Trainer` to run.
+      loop: the loop it runs for (`RunOwner`), which the hooks receive too.
       steps_per_execution: the most steps per compiled call.
-      hooks: the hooks to run; their first argument is `owner`.
+      hooks: the loop's hooks.
       loop_metrics: the pending logs to hand out as their steps finish.
       finite: the finite checks of every step's loss.
-      owner: the object hooks and non-finite handlers receive (the loop).
-      durations: where each step's duration is appended.
-      checkpointed_step: the newest global step a checkpoint saved, or None (for the line
-        an interrupted run ends with).
 
     Attributes:
-      loop_step, start_step, end_step, epoch, run_index, metrics, stop_reason: as in
-        `Loop`, which shows them.
+      loop_step, start_step, end_step, epoch, run_index, metrics: as in `Loop`, which
+        shows them.
       metrics_step: the loop step of `metrics` (-1 before any).
       group: the latest group of fused steps, or None (`steps_per_execution=1`).
       running: whether a run is in progress.
-      stop_requested: whether the run ends after the current step's hooks.
-      interrupted: whether SIGINT or SIGTERM stopped the run before its last step (on
-        this process, or on the process whose stop every process agreed on); set before
-        the OnEnd hooks, cleared when the next run starts.
+      stop: how the run ends early (`RunStop`): its `requested`, `reason` (the Loop's
+        `stop_reason`) and `interrupted`.
+      step_durations: seconds per step, hooks included, of the last `STEP_DURATIONS_KEPT`
+        steps.
     """
 
     def __init__(
         self,
-        trainer: Trainer,
+        loop: RunOwner,
         steps_per_execution: int,
         hooks: HookRegistry,
         loop_metrics: LoopMetrics,
         finite: FiniteChecker,
-        owner: Any,
-        durations: collections.deque[float],
-        checkpointed_step: Callable[[], int | None],
     ) -> None:
+        trainer = loop.trainer
+        self._loop = loop
         self._trainer = trainer
-        self._most = steps_per_execution
+        self._steps_per_execution = steps_per_execution
         self._hooks = hooks
         self._loop_metrics = loop_metrics
         self._finite = finite
-        self._owner = owner
-        self._durations = durations
-        self._checkpointed_step = checkpointed_step
+        self.step_durations: collections.deque[float] = collections.deque(
+            maxlen=STEP_DURATIONS_KEPT
+        )
         self.loop_step = trainer.global_step
         self.start_step = trainer.global_step
         self.end_step = -1
@@ -96,9 +118,6 @@ class Runner:
         self.metrics_step = -1
         self.group: GroupMetrics | None = None
         self.running = False
-        self.stop_requested = False
-        self.stop_reason: str | None = None
-        self.interrupted = False
         self._epoch_batches = 0
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
@@ -107,26 +126,10 @@ class Runner:
         # Several processes: a process reads the agreed stop at its settle points, which come
         # at most `limit + 1` dispatches apart, and no process runs more than that ahead of
         # another's dispatched steps; twice that, and one, is past any process's first look.
-        self._stop_margin = (2 * self._in_flight.limit + 3) * steps_per_execution
-        self._agreement: StopAgreement | None = None  # during a run on several processes
-        self._stop_adopted = False  # whether the run's steps go to the agreed stop already
-        self._interrupts = Interrupts(self._on_signal)
+        self.stop = RunStop(trainer, (2 * self._in_flight.limit + 3) * steps_per_execution)
         self._iterable = RunIterable()
 
     # -- what the loop asks between steps -------------------------------------------------
-
-    def request_stop(self, reason: str, signum: int | None = None) -> None:
-        """Ends the run after the current step's hooks.
-
-        On several processes, after the step all of them agree on (`StopAgreement`): the
-        steps stop at once, to propose it.
-        """
-        if self._agreement is not None:
-            if self._agreement.want(reason, signum):
-                self.stop_requested = True  # out of the steps, to propose the stop now
-            return
-        self.stop_requested = True
-        self.stop_reason = reason
 
     def report_error(self, error: BaseException) -> None:
         """Raises `error` after the current step's hooks, or at the next run's start."""
@@ -135,9 +138,16 @@ class Runner:
             raise error
 
         if self.running:
-            self._hooks.after_hooks.append(raise_it)
+            self._hooks.defer(raise_it)
         else:
             self._pending_error = error
+
+    def call_after_hooks(self, fn: Callable[[], None]) -> None:
+        """`Loop.call_after_hooks`: `fn()` after the current phase's hooks; now outside a run."""
+        if self.running:
+            self._hooks.defer(fn)
+        else:
+            fn()
 
     def remember_run(self, run: dict[str, int] | None) -> None:
         """The run (`{"start_step", "end_step"}`) a restored state was saved in, if any."""
@@ -166,10 +176,8 @@ class Runner:
         self._in_flight.wait_all()
         self._finite.restart(self._trainer, step)
         self.loop_step = step
-        self._hooks.halted = True  # the step's hooks stop; the run goes on from `step`
-        for schedule in self._hooks.schedules():
-            schedule.restart(self)
-        self._hooks.reschedule()
+        self._hooks.halt()  # the step's hooks stop; the run goes on from `step`
+        self._hooks.restart_schedules()
 
     # -- runs -----------------------------------------------------------------------------
 
@@ -221,7 +229,7 @@ class Runner:
             # A position restored from a save at an epoch's end (every_n_epochs) is at the
             # end of its data: the run starts with the next pass, not with an empty one.
             at_end_of_pass = True
-            while self.epoch < epochs and not self._stops_here():
+            while self.epoch < epochs and not self.stop.here(self.loop_step):
                 self._epoch_batches = 0
                 if not self._train_until(dataset, NEVER):
                     break  # a stop was requested
@@ -254,89 +262,47 @@ class Runner:
         self._loop_metrics.resolve_logs(NEVER)
         self._hooks.run_after_hooks()
 
-    def _on_signal(self, signum: int) -> None:
-        self.request_stop(f"interrupted by {signal_name(signum)}", signum)
-
     def _settle(self) -> None:
         """Waits for every step in flight and checks their losses."""
         window = self._in_flight.wait_all()
         if window:
-            for watch in self._owner.shared_data.get(FINISHED, ()):
+            for watch in self._loop.shared_data.get(FINISHED, ()):
                 watch(self._in_flight.finished.last_step)
-            self._finite.verify(self._owner, window)
+            self._finite.verify(self._loop, window)
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
             self._loop_metrics.resolve_logs(NEVER)
-        agreement = self._agreement
-        if agreement is not None and not self._stop_adopted and agreement.poll(self.loop_step):
-            self.stop_requested = True  # out of the steps, to go on to the agreed one
-
-    def _agreed_stop_step(self, agreement: StopAgreement, step: int, stop_step: int) -> int:
-        """`stop_step` brought to one past the agreed stop, if any; `step`: dispatched last."""
-        agreed = agreement.poll(step)
-        if agreed is None:
-            return stop_step
-        if step > agreed.step:
-            raise RuntimeError(
-                f"process {agreed.process} asked every process to stop after step "
-                f"{agreed.step} ({agreed.reason}), but this one had already run step {step}; "
-                "the processes were further apart than their steps in flight allow (does "
-                "every step hold a collective over the processes' devices?)"
-            )
-        self._stop_adopted = True
-        return min(stop_step, agreed.step + 1)
-
-    def _stops_here(self) -> bool:
-        """Between steps: whether the run ends at `loop_step` (a stop was asked or agreed).
-
-        On several processes only at the agreed step: it sets `stop_reason` to the agreed
-        reason, the same on every process.
-        """
-        agreement = self._agreement
-        if agreement is None:
-            return self.stop_requested
-        agreed = agreement.poll(self.loop_step)
-        self.stop_requested = False
-        if agreed is not None and self._agreed_stop_step(agreement, self.loop_step - 1, NEVER) <= (
-            self.loop_step
-        ):
-            self.stop_requested = True
-            self.stop_reason = agreed.shown_reason
-        return self.stop_requested
+        self.stop.poll(self.loop_step)  # several processes: a stop agreed on
 
     def _settle_between_steps(self) -> None:
         """`_settle` where no step is half done: a rollback it causes needs no skipping."""
         self._settle()
-        self._hooks.halted = False
+        self._hooks.resume()
 
     @contextlib.contextmanager
     def _run(self, dataset: Dataset, end_step: int, end_epoch: int | None = None) -> Iterator[None]:
         if self.running:
             raise RuntimeError("this Loop is already running; a hook cannot start another run")
-        self._agreement = StopAgreement.for_run(self._trainer, self._stop_margin)
-        self._stop_adopted = False
+        interrupts = self.stop.open()
         self.running = True
         # Several processes: one that stops answering ends the others, even inside a collective.
-        with LostProcessWatch.for_run(self._trainer.devices, self._owner):
+        with LostProcessWatch.for_run(self._trainer.devices, self._loop):
             try:
-                with self._interrupts:
+                with interrupts:
                     self._start_run(dataset, end_step, end_epoch)
                     yield
             except BaseException as error:
                 self._in_flight.wait_all()
-                self._hooks.after_hooks.clear()
+                self._hooks.drop_deferred()
                 self._hand_out_logs_at(error)
                 self._hooks.run_error(error)
                 raise
             finally:
-                self.running = self._hooks.scheduling = False
+                self.running = False
+                self._hooks.end_steps()
                 self.epoch_count.end_run()
-                agreed = self._close_agreement()
-        signum = self._interrupts.received
-        if signum is None and agreed is not None and self.loop_step == agreed.step + 1:
-            signum = agreed.signum  # the signal another process got: every process exits so
-        if signum is not None:
-            exit_interrupted(signum, self._trainer.global_step, self._checkpointed_step())
+                agreed = self.stop.close()
+        self.stop.exit_if_signaled(agreed, self.loop_step, self._loop.checkpointed_step)
 
     def _hand_out_logs_at(self, error: BaseException) -> None:
         """The train logs asked for before `error`: handed out, or dropped.
@@ -351,16 +317,7 @@ class Runner:
                 self._loop_metrics.resolve_logs(self._finite.checked_through)
             except Exception:
                 _logger.exception("writing the train logs of the steps before the error failed")
-        self._loop_metrics.pending_logs.clear()
-
-    def _close_agreement(self) -> AgreedStop | None:
-        """Ends the run's agreement, if any; the stop it agreed on."""
-        agreement, self._agreement = self._agreement, None
-        if agreement is None:
-            return None
-        agreed = agreement.agreed
-        agreement.close()
-        return agreed
+        self._loop_metrics.drop_logs()
 
     def _start_run(self, dataset: Dataset, end_step: int, end_epoch: int | None) -> None:
         if self._pending_error is not None:
@@ -378,23 +335,19 @@ class Runner:
         self.run_index += 1
         self.loop_step = self.start_step = trainer.global_step
         self.end_step = self.epoch_count.end_step(resumed, continuing, end_step)
-        self.stop_requested = self.interrupted = False
-        self._hooks.halted = False
-        self.stop_reason = None
+        self.stop.start_run()
+        self._hooks.resume()
         self.metrics = {}
         self.metrics_step = self.loop_step - 1
         self.run_phase("OnStart", dataset)
         # After the OnStart hooks, which may restore schedule states and the step.
-        self._hooks.halted = False
+        self._hooks.resume()
         self.loop_step = self.start_step = trainer.global_step
         self.metrics_step = self.loop_step - 1
         self._finite.start_run(trainer, self.loop_step)
         if continuing:
             self._finite.restart(trainer, self.loop_step)  # the restored skip count
-        for schedule in self._hooks.schedules():
-            schedule.start_run(self)
-        self._hooks.reschedule()
-        self._hooks.scheduling = True
+        self._hooks.start_steps()
 
     def _train_until(self, dataset: Dataset, stop_step: int) -> bool:
         """Runs steps and their OnStep hooks; returns True if the dataset ended.
@@ -409,29 +362,33 @@ class Runner:
         on if that rolled the run back. The per-step path of every run, kept tight: on a
         small model the loop's own Python shows in the step rate.
         """
-        trainer, hooks, most = self._trainer, self._hooks, self._most
-        one_step = most == 1
-        read = StepReader(dataset, most, trainer.accumulate_steps, trainer.gathers_on).read
+        trainer, hooks, per_execution = self._trainer, self._hooks, self._steps_per_execution
+        one_step = per_execution == 1
+        read = StepReader(dataset, per_execution, trainer.accumulate_steps, trainer.gathers_on).read
         run = trainer.run
         loop_metrics = self._loop_metrics
         push = self._in_flight.push
-        budget = HELD_BYTES // self._in_flight.limit  # a turn's batches, held to be checked
-        record_duration = self._durations.append
+        # The bytes of a turn's batches held until their losses are checked.
+        turn_budget = HELD_BATCH_BYTES // self._in_flight.limit
+        record_duration = self.step_durations.append
         clock = time.perf_counter
-        agreement = self._agreement
-        ahead = AheadCompiles(self._trainer, self._most)
+        stop = self.stop
+        agreement = stop.agreement
+        ahead = AheadCompiles(self._trainer, per_execution)
         while True:
-            indicator = self._finite.indicator
+            sentinel = self._finite.sentinel_metric  # its newest value flags a bad window
             if agreement is not None:  # several processes: not past a stop they agreed on
-                stop_step = self._agreed_stop_step(agreement, self.loop_step - 1, stop_step)
-            while self.loop_step < stop_step and not self.stop_requested:
+                stop_step = stop.agreed_stop_step(self.loop_step - 1, stop_step)
+            while self.loop_step < stop_step and not stop.requested:
                 started = clock()
                 first = self.loop_step
-                # A group ends at the run's stop or after the next step a hook fires at.
-                cut = min(stop_step, hooks.exact_wake_step + 1)
+                # A group stops at the run's stop or after the next step a hook fires at.
+                group_stop = min(stop_step, hooks.exact_wake_step + 1)
                 try:
                     dispatches, ended = read(
-                        1 if one_step else power_of_two_at_most(max(min(most, cut - first), 1))
+                        1
+                        if one_step
+                        else power_of_two_at_most(max(min(per_execution, group_stop - first), 1))
                     )
                 except StopIteration:
                     return True
@@ -446,7 +403,7 @@ class Runner:
                     metrics, _ = run(dispatches[0])
                     last, count = first, 1
                 else:
-                    ahead.before_group(dispatches, first, cut)
+                    ahead.before_group(dispatches, first, group_stop)
                     parts = []
                     last = first - 1
                     for dispatch in dispatches:
@@ -460,16 +417,17 @@ class Runner:
                 self.metrics_step = last
                 self._epoch_batches += count
                 window = push(
-                    metrics[indicator], StepToken(last, metrics, kept(dispatches, budget))
+                    metrics[sentinel],
+                    StepToken(last, metrics, batches_to_hold(dispatches, turn_budget)),
                 )
                 if window is not None:
-                    for watch in self._owner.shared_data.get(FINISHED, ()):
+                    for watch in self._loop.shared_data.get(FINISHED, ()):
                         watch(self._in_flight.finished.last_step)
-                    self._finite.verify(self._owner, window)
+                    self._finite.verify(self._loop, window)
                     if loop_metrics.pending_logs:
                         loop_metrics.resolve_logs(window[-1].last_step)
                     if agreement is not None:  # several processes: a settle point
-                        stop_step = self._agreed_stop_step(agreement, last, stop_step)
+                        stop_step = stop.agreed_stop_step(last, stop_step)
                 if not hooks.halted:
                     self.loop_step = last
                     hooks.step_hooks(metrics, last)
@@ -477,34 +435,21 @@ class Runner:
                         self._run_after_hooks()
                 record_duration((clock() - started) / count)
                 if hooks.halted:
-                    hooks.halted = False
+                    hooks.resume()
                     continue
                 self.loop_step = last + 1
                 if ended:
                     return True
             self._settle()
             if hooks.halted:
-                hooks.halted = False
+                hooks.resume()
                 continue
             # Several processes: a stop asked, not at its agreed step yet, goes on to it.
-            if agreement is None or self._stops_here() or self.loop_step >= stop_step:
+            if agreement is None or stop.here(self.loop_step) or self.loop_step >= stop_step:
                 return False
 
     def _end_run(self) -> Metrics:
         self._settle_between_steps()
-        self.interrupted = self._stopped_by_signal()
+        self.stop.end(self.loop_step, self.end_step)
         self.run_phase("OnEnd", self.metrics)
         return self.metrics
-
-    def _stopped_by_signal(self) -> bool:
-        """Whether a signal ends the run before its last step (see `interrupted`).
-
-        On several processes the agreed stop decides, so every process answers alike.
-        """
-        if self.loop_step == self.end_step:
-            return False  # the run is complete, whenever a signal came
-        agreement = self._agreement
-        if agreement is not None:
-            agreed = agreement.agreed
-            return agreed is not None and agreed.signum is not None
-        return self._interrupts.received is not None

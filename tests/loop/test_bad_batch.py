@@ -246,7 +246,7 @@ def test_exec_info_reports_the_predictions_shapes():
 def test_batches_over_the_held_budget_are_not_kept_and_the_error_says_so(monkeypatch, k):
     # An image model's batches of tens of MB, a window of 33 turns in flight: holding every
     # batch would hold gigabytes. Over the budget a turn's batches are not held.
-    monkeypatch.setattr("loopax.loop._runner.HELD_BYTES", 64)  # less than one batch
+    monkeypatch.setattr("loopax.loop._runner.HELD_BATCH_BYTES", 64)  # less than one batch
     inputs = features()
     labels = classes(inputs)
     inputs[11 * BATCH_SIZE + 2, 1] = np.nan

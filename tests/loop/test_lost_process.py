@@ -236,7 +236,7 @@ def test_a_process_is_lost_after_the_bound_of_silence_and_not_before():
         Heartbeat(store, process, 4, 2.0, found.append, clock=lambda: now[0])
         for process in range(4)
     ]
-    beats[0].watching = 1  # in a run; process 1 is not (yet)
+    beats[0].add_watcher()  # in a run; process 1 is not (yet)
     beats[3].stop()  # ended: its interpreter exits; never waited for
 
     def tick(*processes):
@@ -255,7 +255,7 @@ def test_a_process_is_lost_after_the_bound_of_silence_and_not_before():
     assert found == [Lost(2, "no heartbeat for 2.5 s")]
     # Process 0 writes it down; process 1, in a run now, ends with what process 0 found.
     beats[0].write_lost(found[0])
-    beats[1].watching = 1
+    beats[1].add_watcher()
     tick(1)
     assert found[1] == Lost(2, "no heartbeat for 2.5 s; process 0 found it")
     # Not watching (between runs): nothing happens.
@@ -267,7 +267,7 @@ def test_a_process_is_lost_after_the_bound_of_silence_and_not_before():
         now[0] += 0.5
     assert quiet == [] and idle.stalest(now[0], 2.0) == Lost(0, "no heartbeat for 5.0 s")
     # The coordinator's service out of reach: lost only after the bound, not at one failure.
-    idle.watching = 1
+    idle.add_watcher()
     quiet_store.down = True
     for _ in range(5):
         idle.tick()
