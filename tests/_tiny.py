@@ -11,9 +11,12 @@ dropout, a particular loss or precision) keeps its own.
 Two models, each with fixed shapes:
 
 - `"regression"`: `Dense(4) -> relu -> Dense(1)` over 3 features, batches of 8, labels the sum
-  of the features, mean squared error, `adam(0.01)`;
+  of the features, mean squared error, `loopax.optimizers.adam(0.01)`;
 - `"classifier"`: `Dense(8) -> relu -> Dense(2)` over 4 features, batches of 16, labels
-  whether the first two features sum above 0, sparse softmax cross-entropy, `sgd(0.1)`.
+  whether the first two features sum above 0, sparse softmax cross-entropy,
+  `loopax.optimizers.sgd(0.1)`.
+
+Their optimizers are loopax's, whose learning rate hooks can read and set.
 
 Metrics change the programs: pass the same ones (the `loopax.metrics` objects, not lambdas of
 a test file) wherever a test does not need its own.
@@ -25,7 +28,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import numpy as np
-import optax
 
 import loopax
 
@@ -50,12 +52,16 @@ class TinyModel(NamedTuple):
 
 MODELS = {
     "regression": TinyModel(
-        regression_model, loopax.losses.mean_squared_error, lambda: optax.adam(0.01), 8, 3
+        regression_model,
+        loopax.losses.mean_squared_error,
+        lambda: loopax.optimizers.adam(0.01),
+        8,
+        3,
     ),
     "classifier": TinyModel(
         classifier_model,
         loopax.losses.sparse_categorical_crossentropy_logits,
-        lambda: optax.sgd(0.1),
+        lambda: loopax.optimizers.sgd(0.1),
         16,
         4,
     ),
