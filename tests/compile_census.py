@@ -4,7 +4,7 @@ Over half of the suite's CPU is XLA compiling; this tells where. Run the tests w
 print the table it wrote, heaviest file first:
 
     PYTHONPATH=tests COMPILE_CENSUS=/tmp/census.jsonl python -m pytest -p compile_census ...
-    python tests/compile_census.py /tmp/census.jsonl
+    python tests/compile_census.py /tmp/census.jsonl  # --programs: which programs compiled
 
 Each test process (each xdist worker, or the one process of `-n 0`) appends one JSON line:
 per file and per test, the programs handed to XLA (`compiles`), how many of them loaded from
@@ -32,6 +32,7 @@ LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _now = ["<collection>"]  # the test running (its node id)
 _hit = [False]
 _tests = collections.defaultdict(lambda: collections.defaultdict(float))
+_compiled = collections.defaultdict(list)  # test: names of the programs compiled (not loaded)
 
 
 def _on_duration(event, seconds, **kwargs):
@@ -39,6 +40,8 @@ def _on_duration(event, seconds, **kwargs):
     if event == BACKEND_COMPILE:
         counts["compiles"] += 1
         counts["hit_s" if _hit[0] else "miss_s"] += seconds
+        if not _hit[0]:
+            _compiled[_now[0]].append(str(kwargs.get("fun_name", "?")))
         _hit[0] = False
     elif event == TRACE:
         counts["trace_s"] += seconds
@@ -73,7 +76,7 @@ def pytest_sessionfinish(session, exitstatus):
         return  # the xdist controller runs no test
     path = os.environ.get("COMPILE_CENSUS", "compile-census.jsonl")
     with open(path, "a") as out:
-        out.write(json.dumps({"tests": _tests}) + "\n")
+        out.write(json.dumps({"tests": _tests, "compiled": _compiled}) + "\n")
 
 
 def by_file(paths):
@@ -87,7 +90,21 @@ def by_file(paths):
     return files
 
 
-def main(paths):
+def compiled_by_file(paths):
+    """{file: Counter of the names of the programs compiled} over the census files."""
+    files = collections.defaultdict(collections.Counter)
+    for path in paths:
+        with open(path) as lines:
+            for line in lines:
+                for test, names in json.loads(line).get("compiled", {}).items():
+                    files[test.split("::")[0]].update(names)
+    return files
+
+
+def main(arguments):
+    """Prints the table of the census files named; with `--programs`, what each compiled."""
+    programs = "--programs" in arguments
+    paths = [argument for argument in arguments if argument != "--programs"]
     files = by_file(paths)
     columns = ("compiles", "cache_hits", "miss_s", "hit_s", "trace_s", "lower_s", "wall_s")
     print(f"{'file':58}" + "".join(f"{name:>11}" for name in columns))
@@ -96,6 +113,10 @@ def main(paths):
         total.update(counts)
         print(f"{name:58}" + "".join(f"{counts[column]:11.1f}" for column in columns))
     print(f"{'total':58}" + "".join(f"{total[column]:11.1f}" for column in columns))
+    if programs:
+        for name, names in sorted(compiled_by_file(paths).items()):
+            listed = ", ".join(f"{count} {program}" for program, count in names.most_common())
+            print(f"{name}: {listed}")
 
 
 if __name__ == "__main__":
