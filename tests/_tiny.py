@@ -146,8 +146,8 @@ def tiny_data(
     )
 
 
-def compiled(trainer: loopax.Trainer, data: Any = None, *, evaluate: Any = None):
-    """Compiles `trainer`'s step (one step on `data`) and, given a dataset, its evaluation.
+def compiled(trainer: loopax.Trainer, data: Any = None):
+    """Compiles `trainer`'s step: one step on `data` (by default `tiny_data()`).
 
     For a trainer that a module's tests share (compiling costs a second, a step
     microseconds), handed out again at its initial state by `restart`.
@@ -159,8 +159,6 @@ def compiled(trainer: loopax.Trainer, data: Any = None, *, evaluate: Any = None)
     initial = []
     trainer.add_state_initializer(lambda state: initial.append(jax.device_get(state)) or state)
     loopax.Loop(trainer).run_steps(tiny_data() if data is None else data, 1)
-    if evaluate is not None:
-        trainer.evaluate(evaluate)
     return trainer, initial[0]
 
 
