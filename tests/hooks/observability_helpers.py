@@ -1,18 +1,24 @@
 """A tiny classifier and datasets shared by the observability hooks' tests (not a test file)."""
 
-import flax.linen as nn
+import os
+import sys
+
 import jax
 import numpy as np
 
 import loopax
 
+# The processes some tests start put only this folder on their path: `_tiny` is one up.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:
+    sys.path.append(_TESTS)
+
+from _tiny import MODELS, tiny_arrays, tiny_trainer  # noqa: E402
+
 ONE_DEVICE = jax.devices()[:1]
-BATCH_SIZE = 16
-LEARNING_RATE = 0.1
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(2)(nn.relu(nn.Dense(8)(inputs[0])))
+BATCH_SIZE = MODELS["classifier"].batch_size
+LEARNING_RATE = 0.1  # the classifier's sgd(0.1)
+model_fn = MODELS["classifier"].model_fn
 
 
 _COMPILED = {}
@@ -37,22 +43,18 @@ def make_trainer():
 
 
 def new_trainer(**kwargs):
-    """A fresh, uncompiled trainer of the same model."""
+    """A fresh, uncompiled trainer of the same model (`_tiny`'s classifier)."""
     kwargs.setdefault("devices", ONE_DEVICE)
-    return loopax.Trainer(
-        model_fn,
-        loopax.losses.sparse_categorical_crossentropy_logits,
-        loopax.optimizers.sgd(LEARNING_RATE),
-        train_metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
+    return tiny_trainer(
+        model="classifier",
+        metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
         eval_metrics=[loopax.metrics.SparseCategoricalAccuracy()],
         **kwargs,
     )
 
 
 def make_data(name="train", batches=4, *, seed=0, loop_forever=False, shuffle=True):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(batches * BATCH_SIZE, 4)).astype(np.float32)
-    y = (x[:, :1] + x[:, 1:2] > 0).astype(np.int32)
+    x, y = tiny_arrays(batches * BATCH_SIZE, model="classifier", seed=seed)
     return loopax.ArrayDataset(
         x, y, BATCH_SIZE, name=name, shuffle=shuffle, loop_forever=loop_forever
     )

@@ -1,11 +1,10 @@
 """The checkpoint format: version 2 keys the train metric states by name, version 1 by position."""
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
+from _tiny import tiny_data, tiny_trainer
 
 import loopax
 from loopax import hooks, losses, metrics
@@ -16,30 +15,19 @@ SAVED_STEP = 3
 END_STEP = 6
 
 
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(nn.relu(nn.Dense(4)(inputs[0])))
-
-
 def make_trainer():
-    return loopax.Trainer(
-        model_fn,
-        losses.mean_squared_error,
-        optax.adam(0.01),
-        # A compiled metric before and after a host one (which has no state to save).
-        train_metrics=[
+    # A compiled metric before and after a host one (which has no state to save).
+    return tiny_trainer(
+        metrics=[
             metrics.Mean("mae", lambda y, p: abs(y[0] - p[0])),
             metrics.median_loss(losses.mean_absolute_error),
             metrics.MovingAverage("~mae", lambda y, p: abs(y[0] - p[0])),
-        ],
-        devices=jax.devices()[:1],
+        ]
     )
 
 
 def make_dataset():
-    inputs = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
-    return loopax.ArrayDataset(
-        inputs, inputs.sum(1, keepdims=True), batch_size=8, loop_forever=True, seed=1
-    )
+    return tiny_data(seed=1)
 
 
 def run(directory):

@@ -1,11 +1,9 @@
 """Host metrics (`StreamingMedian`, `median_loss`) in checkpoints: a resumed run's median
 equals an uninterrupted run's (issue 22, item 19). Real Orbax checkpoints, real Loops."""
 
-import flax.linen as nn
-import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import tiny_data, tiny_trainer
 
 import loopax
 from loopax import hooks, losses, metrics
@@ -16,23 +14,11 @@ TARGET = 12
 def make_trainer(*extra_metrics):
     # A small sample, so the median runs past it and the sample's generator matters too.
     median = metrics.median_loss(losses.mean_absolute_error, sample_size=20, seed=3)
-    return loopax.Trainer(
-        model_fn,
-        losses.mean_squared_error,
-        optax.adam(0.05),
-        train_metrics=[median, *extra_metrics],
-        devices=jax.devices()[:1],
-    )
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(nn.relu(nn.Dense(8)(inputs[0])))
+    return tiny_trainer(metrics=[median, *extra_metrics])
 
 
 def make_dataset():
-    inputs = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
-    return loopax.ArrayDataset(inputs, inputs.sum(1, keepdims=True), batch_size=8, seed=2,
-                               loop_forever=True)  # fmt: skip
+    return tiny_data(5, seed=2)
 
 
 def record_medians(loop):

@@ -12,52 +12,27 @@ import sys
 import textwrap
 import threading
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import compiled, restart, tiny_data, tiny_trainer
 
 import loopax
 from loopax import hooks
 
-BATCH_SIZE = 8
 HOLD_SECONDS = 20  # how long a held commit waits at most: a regression fails, never hangs
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(nn.relu(nn.Dense(4)(inputs[0])))
-
-
-def make_trainer():
-    return loopax.Trainer(
-        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01), devices=jax.devices()[:1]
-    )
-
-
-def make_dataset():
-    inputs = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
-    return loopax.ArrayDataset(
-        inputs, inputs.sum(1, keepdims=True), batch_size=BATCH_SIZE, loop_forever=True
-    )
 
 
 @pytest.fixture(scope="module")
 def compiled_trainer():
     # Compiling costs seconds, a step well under a millisecond: one trainer for the module.
-    trainer = make_trainer()
-    initial = []
-    trainer.add_state_initializer(lambda state: initial.append(jax.device_get(state)) or state)
-    loopax.Loop(trainer).run_steps(make_dataset(), 1)
-    return trainer, initial[0]
+    return compiled(tiny_trainer())
 
 
 @pytest.fixture
 def trainer(compiled_trainer):
     """The shared trainer, back at its freshly initialized state (step 0)."""
-    trainer, initial_state = compiled_trainer
-    trainer.state = jax.tree.map(np.array, initial_state)
-    return trainer
+    return restart(*compiled_trainer)
 
 
 class HeldCommits:
@@ -90,13 +65,13 @@ def test_a_run_returns_while_its_end_of_run_save_commits_in_the_background(
     held = HeldCommits(monkeypatch)
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=100)  # only the end's save
-    metrics = loop.run_steps(make_dataset(), 3)
+    metrics = loop.run_steps(tiny_data(), 3)
     assert not held.held_too_long, "run_steps waited for its end-of-run save's commit"
     assert held.committing.wait(timeout=HOLD_SECONDS)  # under way, its state taken at step 3
     assert steps_on_disk(tmp_path) == [] and float(metrics["loss"]) > 0
     saved = trainer.state_dict()
     held.released.set()
-    loop.run_steps(make_dataset(), 2)  # its save waits for the one in flight
+    loop.run_steps(tiny_data(), 2)  # its save waits for the one in flight
     checkpointer.wait()
     assert not held.held_too_long
     assert steps_on_disk(tmp_path) == [3, 5]
@@ -111,7 +86,7 @@ def test_what_reads_the_directory_next_waits_for_the_end_of_run_save(
     held = HeldCommits(monkeypatch)
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=100)
-    loop.run_steps(make_dataset(), 3)
+    loop.run_steps(tiny_data(), 3)
     held.committing.wait(timeout=HOLD_SECONDS)
     threading.Timer(0.2, held.released.set).start()  # the slow disk finishes a bit later
     # Each of these sees checkpoint 3: they wait for the save in flight.
@@ -121,7 +96,7 @@ def test_what_reads_the_directory_next_waits_for_the_end_of_run_save(
     np.testing.assert_array_equal(
         params["Dense_0"]["kernel"], jax.device_get(trainer.params)["Dense_0"]["kernel"]
     )
-    resumed = hooks.checkpoint(loopax.Loop(make_trainer()), tmp_path)
+    resumed = hooks.checkpoint(loopax.Loop(tiny_trainer()), tmp_path)
     assert resumed.restored_step == 3
 
 
@@ -129,7 +104,7 @@ def test_load_params_waits_for_the_save_in_flight_of_its_directory(trainer, tmp_
     held = HeldCommits(monkeypatch)
     loop = loopax.Loop(trainer)
     hooks.checkpoint(loop, tmp_path, every_n_steps=100)
-    loop.run_steps(make_dataset(), 2)
+    loop.run_steps(tiny_data(), 2)
     held.committing.wait(timeout=HOLD_SECONDS)
     threading.Timer(0.2, held.released.set).start()
     # Without the wait it would find no checkpoint at all (FileNotFoundError).
@@ -143,15 +118,15 @@ def test_a_failed_end_of_run_save_raises_at_wait_and_at_the_next_run(trainer, tm
     directory = tmp_path / "ckpt"
     loop = loopax.Loop(trainer)
     checkpointer = hooks.checkpoint(loop, directory, every_n_steps=100)
-    loop.run_steps(make_dataset(), 1)
+    loop.run_steps(tiny_data(), 1)
     checkpointer.wait()
     os.rename(directory, tmp_path / "moved")
     directory.write_text("not a directory any more")  # every write under it now fails
-    loop.run_steps(make_dataset(), 1)  # returns: the save fails in the background
+    loop.run_steps(tiny_data(), 1)  # returns: the save fails in the background
     with pytest.raises(hooks.BackgroundSaveError, match=r"saving a checkpoint to '.*ckpt'"):
         checkpointer.wait()
     with pytest.raises(hooks.BackgroundSaveError, match=r"saving a checkpoint to '.*ckpt'"):
-        loop.run_steps(make_dataset(), 1)  # named at the next run's start
+        loop.run_steps(tiny_data(), 1)  # named at the next run's start
     assert trainer.global_step == 2
 
 
@@ -161,7 +136,7 @@ def test_a_run_stopped_early_waits_for_its_end_of_run_save(trainer, tmp_path, mo
     hooks.checkpoint(loop, tmp_path, every_n_steps=100)
     loop.on_step("stop", lambda loop, metrics: loop.loop_step == 1 and loop.request_stop("done"))
     threading.Timer(0.2, held.released.set).start()
-    loop.run_steps(make_dataset(), 10)
+    loop.run_steps(tiny_data(), 10)
     # The program usually ends after a stop: the save is on disk when the run returns.
     assert steps_on_disk(tmp_path) == [2] and loop.checkpointed_step == 2
 
@@ -211,14 +186,14 @@ def test_a_save_is_committed_when_a_later_hook_of_its_step_raises(trainer, tmp_p
 
     loop.on_step("fail", fail, loopax.Priority.UI)
     with pytest.raises(loopax.HookError, match="a bug in a UI hook"):
-        loop.run_steps(make_dataset(), 10)
+        loop.run_steps(tiny_data(), 10)
     saved = trainer.state_dict()  # the state of step 3: the run stopped there
     assert checkpointer.all_steps() == [3]
     # Its logs went out before it committed, as without the error.
     points = log.file.read()
     assert sorted({point["step"] for point in points}) == [1, 2, 3]
 
-    resumed_trainer = make_trainer()
+    resumed_trainer = tiny_trainer()
     resumed = hooks.checkpoint(loopax.Loop(resumed_trainer), tmp_path / "ckpt")
     assert resumed.restored_step == 3
     np.testing.assert_array_equal(
@@ -236,7 +211,7 @@ def test_the_end_of_run_save_is_committed_when_a_later_end_hook_raises(trainer, 
 
     loop.on_end("fail", fail, loopax.Priority.UI)
     with pytest.raises(loopax.HookError, match="a bug in an end hook"):
-        loop.run_steps(make_dataset(), 4)
+        loop.run_steps(tiny_data(), 4)
     assert checkpointer.all_steps() == [4]
 
 
@@ -250,5 +225,5 @@ def test_a_step_that_raises_before_the_save_saves_nothing(trainer, tmp_path):
 
     loop.on_step("fail", fail, loopax.Priority.EVALUATE)  # before the checkpoint's band
     with pytest.raises(loopax.HookError, match="a bug in an evaluation"):
-        loop.run_steps(make_dataset(), 10)
+        loop.run_steps(tiny_data(), 10)
     assert checkpointer.all_steps() == []

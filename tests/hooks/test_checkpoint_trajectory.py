@@ -9,32 +9,20 @@ Real Orbax checkpoints and a real CSV log throughout.
 
 import os
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import MODELS, tiny_arrays, tiny_trainer
 
 import loopax
 from loopax import hooks
 
-BATCH_SIZE = 8
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(nn.relu(nn.Dense(4)(inputs[0])))
-
-
-def make_trainer():
-    return loopax.Trainer(
-        model_fn, loopax.losses.mean_squared_error, optax.adam(0.05), devices=jax.devices()[:1]
-    )
+BATCH_SIZE = MODELS["regression"].batch_size
 
 
 def make_dataset(scale=1.0):
-    inputs = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
-    labels = scale * inputs.sum(1, keepdims=True)
-    return loopax.ArrayDataset(inputs, labels, batch_size=BATCH_SIZE, loop_forever=True)
+    inputs, labels = tiny_arrays(3 * BATCH_SIZE)
+    return loopax.ArrayDataset(inputs, scale * labels, batch_size=BATCH_SIZE, loop_forever=True)
 
 
 def fake_evaluation(loop, metrics):
@@ -66,7 +54,7 @@ def kernel(params):
 @pytest.mark.parametrize("how", ["restore(6)", "restore_best()"])
 def test_a_run_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, how):
     directory = tmp_path / "ckpt"
-    loop = loopax.Loop(make_trainer())
+    loop = loopax.Loop(tiny_trainer())
     log = hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=1, learning_rate=False)
     first = attach(loop, directory)
     loop.run_to_step(make_dataset(), 10)
@@ -76,7 +64,7 @@ def test_a_run_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, how
     old_ten = kernel(loop.trainer.params)
 
     # A new process goes back to step 6 and trains another path (other labels) to 10.
-    trainer = make_trainer()
+    trainer = tiny_trainer()
     loop = loopax.Loop(trainer)
     log = hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=1, learning_rate=False)
     checkpointer = attach(loop, directory)
@@ -104,7 +92,7 @@ def test_a_run_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, how
     assert checkpointer.best_step() == 6
 
     # The next resume restores this run's 10, not the old one.
-    resumed_trainer = make_trainer()
+    resumed_trainer = tiny_trainer()
     resumed = attach(loopax.Loop(resumed_trainer), directory)
     assert resumed.restored_step == 10
     np.testing.assert_array_equal(kernel(resumed_trainer.params), new_ten)
@@ -116,21 +104,21 @@ def test_a_run_from_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, how
 
 def test_a_restore_without_a_run_after_it_moves_nothing(tmp_path):
     directory = tmp_path / "ckpt"
-    loop = loopax.Loop(make_trainer())
+    loop = loopax.Loop(tiny_trainer())
     checkpointer = attach(loop, directory)
     loop.run_to_step(make_dataset(), 10)
     assert checkpointer.restore(6) == 6  # to look at step 6, say: the newer ones stay
     assert checkpointer.all_steps() == [3, 6, 9, 10]
     assert not (directory / "abandoned").exists()
-    assert attach(loopax.Loop(make_trainer()), directory).restored_step == 10
+    assert attach(loopax.Loop(tiny_trainer()), directory).restored_step == 10
 
 
 def test_a_fresh_start_beside_checkpoints_does_not_take_them_for_its_own(tmp_path):
     directory = tmp_path / "ckpt"
-    loop = loopax.Loop(make_trainer())
+    loop = loopax.Loop(tiny_trainer())
     attach(loop, directory)
     loop.run_to_step(make_dataset(), 4)
-    fresh = loopax.Loop(make_trainer())
+    fresh = loopax.Loop(tiny_trainer())
     checkpointer = attach(fresh, directory, restore="never")
     with pytest.warns(
         RuntimeWarning, match=r"from step 0, before checkpoints \[3, 4\] .*abandoned"
@@ -145,7 +133,7 @@ def test_a_fresh_start_beside_checkpoints_does_not_take_them_for_its_own(tmp_pat
 
 def test_a_restore_inside_a_run_moves_the_newer_ones_at_once(tmp_path):
     directory = tmp_path / "ckpt"
-    loop = loopax.Loop(make_trainer())
+    loop = loopax.Loop(tiny_trainer())
     checkpointer = attach(loop, directory)
     went_back = []
 
@@ -160,6 +148,6 @@ def test_a_restore_inside_a_run_moves_the_newer_ones_at_once(tmp_path):
     checkpointer.wait()
     assert went_back == [3, ["6"]]
     assert checkpointer.all_steps() == [3, 6, 9, 10]  # this trajectory's 6, saved again
-    resumed_trainer = make_trainer()
+    resumed_trainer = tiny_trainer()
     assert attach(loopax.Loop(resumed_trainer), directory).restored_step == 10
     np.testing.assert_array_equal(kernel(resumed_trainer.params), kernel(loop.trainer.params))

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tiny import MODELS, tiny_trainer
 
 import loopax
 from loopax import hooks
 
-BATCH_SIZE = 8
+BATCH_SIZE, FEATURES = MODELS["regression"].batch_size, MODELS["regression"].features
 
 
 class PoisonedDataset:
@@ -24,7 +25,7 @@ class PoisonedDataset:
 
     def __init__(self, bad=()):
         rng = np.random.default_rng(0)
-        self.inputs = rng.normal(size=(50 * BATCH_SIZE, 4)).astype(np.float32)
+        self.inputs = rng.normal(size=(50 * BATCH_SIZE, FEATURES)).astype(np.float32)
         self.labels = self.inputs.sum(axis=1, keepdims=True)
         self.bad = bad
         self.index = 0
@@ -58,13 +59,7 @@ class From:
 
 
 def make_loop(tmp_path, devices=1, checkpoint=True, optimizer=None):
-    trainer = loopax.Trainer(
-        lambda ctx, spec, x: nn.Dense(1)(x[0]),
-        loopax.losses.mean_squared_error,
-        optimizer or loopax.optimizers.sgd(0.01),
-        devices=jax.devices()[:devices],
-    )
-    loop = loopax.Loop(trainer)
+    loop = loopax.Loop(tiny_trainer(devices, optimizer=optimizer))
     if checkpoint:
         hooks.checkpoint(loop, tmp_path / "ckpt", every_n_steps=5)
     return loop

@@ -4,11 +4,9 @@ import json
 import re
 import warnings
 
-import flax.linen as nn
-import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import MODELS, compiled, restart, tiny_trainer
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -33,15 +31,7 @@ from loopax.hooks import (
     periodic_callback,
 )
 
-BATCH_SIZE = 8
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(inputs[0])
-
-
-def loss_fn(labels, predictions):
-    return ((labels[0] - predictions[0]) ** 2).mean()
+BATCH_SIZE = MODELS["regression"].batch_size
 
 
 def make_dataset(batches, *, label=1.0, loop_forever=True):
@@ -57,19 +47,12 @@ def make_dataset(batches, *, label=1.0, loop_forever=True):
 @pytest.fixture(scope="module")
 def compiled_trainer():
     # One trainer for the whole module: compiling costs seconds, a step ~50 us.
-    trainer = loopax.Trainer(model_fn, loss_fn, optax.sgd(0.01))
-    loopax.Loop(trainer).run_steps(make_dataset(8), 1)
-    # A host copy: the step donates the device buffers of the state it is given.
-    return trainer, jax.device_get(trainer.state)
+    return compiled(tiny_trainer(), make_dataset(8))
 
 
 @pytest.fixture
 def trainer(compiled_trainer):
-    trainer, initial_state = compiled_trainer
-    fresh_state = jax.tree.map(np.array, initial_state)
-    trainer.state = fresh_state.replace(step=np.zeros_like(fresh_state.step))
-    assert trainer.global_step == 0
-    return trainer
+    return restart(*compiled_trainer)
 
 
 @pytest.fixture
@@ -979,11 +962,7 @@ def test_registering_an_earlier_hook_during_a_step_does_not_rerun_the_current_on
 
 
 def reset_trainer(compiled_trainer, global_step):
-    trainer, initial_state = compiled_trainer
-    fresh_state = jax.tree.map(np.array, initial_state)
-    trainer.state = fresh_state.replace(step=np.full_like(fresh_state.step, global_step))
-    assert trainer.global_step == global_step
-    return trainer
+    return restart(*compiled_trainer, step=global_step)
 
 
 def build_schedule(spec, clock):

@@ -1,23 +1,14 @@
 """The Loop: runs, hooks and their order, errors, stopping, timing and non-finite losses."""
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import MODELS, compiled, restart, tiny_trainer
 
 import loopax
 from loopax import Priority
 
-BATCH_SIZE = 8
-
-
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(inputs[0])
-
-
-def loss_fn(labels, predictions):
-    return ((labels[0] - predictions[0]) ** 2).mean()
+BATCH_SIZE = MODELS["regression"].batch_size
 
 
 def make_dataset(batches, *, loop_forever=True, label=1.0, name="train"):
@@ -53,19 +44,12 @@ class CountingDataset:
 @pytest.fixture(scope="module")
 def compiled_trainer():
     # One trainer for the module: compiling costs about a second, a step much less.
-    trainer = loopax.Trainer(model_fn, loss_fn, optax.sgd(0.01), devices=jax.devices()[:1])
-    trainer.train_step(*make_dataset(1).yield_batch())
-    # A host copy: the step donates the device buffers of the state it is given.
-    return trainer, jax.device_get(trainer.state)
+    return compiled(tiny_trainer(), make_dataset(1))
 
 
 @pytest.fixture
 def trainer(compiled_trainer):
-    trainer, initial_state = compiled_trainer
-    fresh = jax.tree.map(np.array, initial_state)
-    trainer.state = fresh.replace(step=np.zeros_like(fresh.step))
-    assert trainer.global_step == 0
-    return trainer
+    return restart(*compiled_trainer)
 
 
 @pytest.fixture

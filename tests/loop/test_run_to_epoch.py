@@ -13,28 +13,21 @@ import signal
 import textwrap
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import MODELS, tiny_trainer
 
 import loopax
 from loopax import hooks
 
-EXAMPLES, BATCH = 40, 8  # 5 steps per epoch
+BATCH = MODELS["regression"].batch_size
+EXAMPLES = 5 * BATCH  # 5 steps per epoch
 EPOCHS = 4
 
 
-def model_fn(ctx, spec, inputs):
-    return nn.Dense(1)(nn.tanh(nn.Dense(4)(inputs[0])))
-
-
 def new_loop():
-    trainer = loopax.Trainer(
-        model_fn, loopax.losses.mean_squared_error, optax.adam(0.02), devices=jax.devices()[:1]
-    )
-    return loopax.Loop(trainer)
+    return loopax.Loop(tiny_trainer())
 
 
 def data():
@@ -193,7 +186,7 @@ def test_run_to_epoch_rejects_bad_arguments():
 WORKER = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests_root!r}]  # this test module, and _tiny
     import jax
     import numpy as np
     from test_run_to_epoch import data, new_loop
@@ -220,7 +213,13 @@ WORKER = textwrap.dedent(
 def test_a_killed_process_resumes_to_the_same_total(uninterrupted, tmp_path, zygote_server):
     whole, _ = uninterrupted
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent), epochs=EPOCHS))
+    script.write_text(
+        WORKER.format(
+            tests=str(Path(__file__).parent),
+            tests_root=str(Path(__file__).parents[1]),
+            epochs=EPOCHS,
+        )
+    )
     directory = tmp_path / "run"
     # Real processes (forked from the test session's zygote: JAX imported once), each
     # waited for at most 300 s, then killed by its pid.

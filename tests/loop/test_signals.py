@@ -9,11 +9,9 @@ import sys
 import threading
 from pathlib import Path
 
-import flax.linen as nn
-import jax
 import numpy as np
-import optax
 import pytest
+from _tiny import tiny_data, tiny_trainer
 
 import loopax
 from loopax import hooks
@@ -114,16 +112,9 @@ def _signal_at(global_step):
 def _run_with_logs(tmp_path, stop_at, steps=10):
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are only installed in the main thread")
-    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
-    train = loopax.ArrayDataset(x, x[:, :1], batch_size=4, loop_forever=True)
-    test = loopax.ArrayDataset(x, x[:, :1], batch_size=4, name="test", shuffle=False)
-    trainer = loopax.Trainer(
-        lambda ctx, spec, inputs: nn.Dense(1)(inputs[0]),
-        loopax.losses.mean_squared_error,
-        optax.sgd(0.1),
-        devices=jax.devices()[:1],
-    )
-    loop = loopax.Loop(trainer)
+    train = tiny_data(2)
+    test = tiny_data(2, name="test", shuffle=False, loop_forever=False)
+    loop = loopax.Loop(tiny_trainer())
     hooks.evaluate(loop, test, every_n_steps=4)
     log = hooks.metrics_log(loop, tmp_path / "log.csv", every_n_steps=2, learning_rate=False)
     ended = []

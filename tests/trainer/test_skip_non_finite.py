@@ -1,28 +1,26 @@
 """`Trainer.skip_non_finite_steps`: a bad step changes nothing but the step count."""
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from _tiny import tiny_batch, tiny_trainer
 
 import loopax
 
 
 def make_trainer(devices):
-    return loopax.Trainer(
-        lambda ctx, spec, x: nn.Dense(2)(x[0]),
-        loopax.losses.sparse_categorical_crossentropy_logits,
-        loopax.optimizers.adam(0.1),
-        train_metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
-        devices=jax.devices()[:devices],
+    return tiny_trainer(
+        devices,
+        model="classifier",
+        metrics=[loopax.metrics.MovingAverageSparseCategoricalAccuracy()],
     )
 
 
 def batch(bad=False):
-    inputs = np.ones((8, 3), np.float32)
+    spec, [inputs], labels = tiny_batch(model="classifier")
     if bad:
         inputs[0, 0] = np.inf
-    return None, [inputs], [np.zeros((8,), np.int32)]
+    return spec, [inputs], labels
 
 
 @pytest.mark.parametrize("devices", [1, 4])

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tiny import tiny_trainer
 
 import loopax
 from loopax import metrics
@@ -144,7 +145,7 @@ def test_global_step_state_and_learning():
 
 
 def test_state_setter_restores_a_saved_state():
-    trainer = make_trainer()
+    trainer = tiny_trainer()
     x, y = regression_batch(0)
     trainer.train_step(None, [x], [y])
     saved = jax.device_get(trainer.state)
@@ -369,7 +370,7 @@ def test_several_inputs_and_predictions():
 
 
 def test_single_array_inputs_and_labels_are_accepted():
-    trainer = make_trainer()
+    trainer = tiny_trainer()
     x, y = regression_batch(0)
     trainer.train_step(None, x, y)
     trainer.train_step(None, (x,), (y,))
@@ -515,11 +516,12 @@ def test_eval_before_any_train_step_initializes_the_variables():
 
 
 # -- bad input ------------------------------------------------------------------------------
+# (A tiny trainer of tests/_tiny.py: what is checked here does not depend on the model.)
 
 
 @pytest.fixture(scope="module")
 def plain_trainer():
-    return make_trainer()
+    return tiny_trainer()
 
 
 def test_non_array_inputs_raise_type_error(plain_trainer):
@@ -538,7 +540,7 @@ def test_mismatched_batch_sizes_raise(plain_trainer):
 
 
 def test_a_rejected_batch_does_not_pin_the_number_of_inputs_of_its_spec():
-    trainer = make_trainer()
+    trainer = tiny_trainer()
     x, y = regression_batch(0)
     with pytest.raises(ValueError, match="batch size"):
         trainer.train_step("first", [x, x[:2]], [y])
