@@ -69,18 +69,17 @@ def forked_processes(zygote_server, tmp_path_factory):
     from `zygote_server` instead of fresh interpreters (~1.4 s of imports each): the same
     bootstrap, environment (the simulated device count included), session and log file.
     `tests/testing/` keeps testing the fresh-interpreter launch itself."""
-    from loopax.testing import _multiprocess  # noqa: PLC0415
+    from loopax.testing._internal import BOOTSTRAP, starting_processes_with  # noqa: PLC0415
 
     bootstrap = tmp_path_factory.mktemp("forked-processes") / "bootstrap.py"
-    bootstrap.write_text(_multiprocess._BOOTSTRAP)
+    bootstrap.write_text(BOOTSTRAP)
 
     def start(spec, log, env):
         return zygote_server.start(
             [str(bootstrap), spec], out=log, err=log, env=env, new_session=True
         )
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_multiprocess, "_start_process", start)
+    with starting_processes_with(start):
         yield
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The checks start pytest on the CPU from the suite's own setup (4 simulated devices).
 CHECKS = pytest.mark.cpu_devices
 # Parametrized over 1 and 4 devices; a module of zygote children; this file.
-FILES = ["tests/trainer/test_creation.py", "tests/reliability/test_zygote.py", __file__]
+FILES = ["tests/trainer/test_creation.py", "tests/test_zygote.py", __file__]
 
 
 def pytest_in_a_fresh_process(*arguments: str) -> subprocess.CompletedProcess:

@@ -222,6 +222,19 @@ class HostMetrics:
             for name in names
         }
 
+    @property
+    def pending_steps(self) -> int:
+        """How many steps' values wait on the device, not yet folded into the host states."""
+        return len(self._stream.pending)
+
+    @property
+    def copied_through(self) -> int:
+        """The last step whose values' copy to the host has started; -1 before any.
+
+        Steps count from 0 since the states started (or were reset or set).
+        """
+        return self._stream.copying
+
     def reset(self) -> None:
         """Starts the host states afresh; values already handed out keep reading theirs."""
         self._stream = _Stream(self.metrics, self.max_pending)

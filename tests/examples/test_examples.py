@@ -3,7 +3,7 @@
 The README's main job (digits, trained then resumed) starts a fresh interpreter each time;
 the others run as children forked from the worker's pre-imported interpreter
 (`tests/zygote.py`: the same script as `__main__`, its arguments, directory and environment,
-Python's exit replayed), which saves each ~1.4 s of imports.
+the interpreter's own exit), which saves each ~1.4 s of imports.
 """
 
 import os

@@ -480,7 +480,7 @@ def test_a_checkpoint_holding_nan_is_damaged_and_never_restored(trainer, tmp_pat
 
     from loopax.hooks._checkpointing._io import checksums
 
-    _, _, checkpointer = train(trainer, tmp_path, 2, every_n_steps=2)
+    train(trainer, tmp_path, 2, every_n_steps=2)
     # A checkpoint as a loopax without the finite check could have written it: valid files,
     # valid checksums, NaN parameters.
     state = trainer.state_dict()
@@ -494,14 +494,16 @@ def test_a_checkpoint_holding_nan_is_damaged_and_never_restored(trainer, tmp_pat
         "loop": {},
         "datasets": {},
     }
-    checkpointer._manager.save(
-        3,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)
-        ),
-        force=True,
-    )
-    checkpointer._manager.wait_until_finished()
+    handlers = {"state": ocp.StandardCheckpointHandler(), "loopax": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(tmp_path, item_handlers=handlers) as manager:
+        manager.save(
+            3,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), loopax=ocp.args.JsonSave(bundle)
+            ),
+            force=True,
+        )
+        manager.wait_until_finished()
     with pytest.warns(
         RuntimeWarning,
         match=r"'.*3' is damaged .*'params/Dense_0/kernel' holds "

@@ -5,7 +5,6 @@ gradient the squared error's), so every evaluation (and every train step) report
 the value the test chose, while the parameters and BatchNorm statistics really train.
 """
 
-import doctest
 import math
 
 import flax.linen as nn
@@ -16,7 +15,6 @@ from monitor_helpers import ScriptedEpochs, ScriptedEval, scripted_loss, train_d
 
 import loopax
 from loopax import hooks
-from loopax.hooks import _early_stopping
 
 ONE_DEVICE = jax.devices()[:1]
 MONITOR = "eval/test/mean_loss"
@@ -567,8 +565,3 @@ def test_a_rerun_of_a_finished_run_says_it_ended_and_restores_the_best_from_the_
     assert restarted.restored_step == 4 and trainer.global_step == 8
     assert_trees_equal(best[0], trainer.params)
     assert_trees_equal(best[1], trainer.state.model_state)
-
-
-def test_doctests():
-    results = doctest.testmod(_early_stopping, optionflags=doctest.ELLIPSIS)
-    assert results.attempted > 0 and results.failed == 0

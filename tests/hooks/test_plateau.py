@@ -5,7 +5,6 @@ The model's loss is scripted: its value is the mean of the batch's second label 
 gradient the squared error's), so every evaluation reports exactly the value the test chose.
 """
 
-import doctest
 import math
 
 import flax.linen as nn
@@ -18,7 +17,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import loopax
 from loopax import hooks
-from loopax.hooks import _plateau
 
 ONE_DEVICE = jax.devices()[:1]
 MONITOR = "eval/test/mean_loss"
@@ -358,8 +356,3 @@ def test_a_resumed_run_continues_the_counters_and_the_rate(trainer, tmp_path):
     # The second check without improvement comes at step 12, not the first.
     assert restarted.reductions == approx_pairs([(6, 0.05), (12, 0.025)])
     assert resumed_trainer.learning_rate == pytest.approx(0.025)
-
-
-def test_doctests():
-    results = doctest.testmod(_plateau, optionflags=doctest.ELLIPSIS)
-    assert results.attempted > 0 and results.failed == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import math
 
 import flax.linen as nn
@@ -298,9 +296,3 @@ def test_trains_a_regression_through_the_trainer():
     assert np.isfinite(after)
     assert after < 0.5 * before
     assert [info.graph_type for info in compiled] == ["eval", "train"]
-
-
-def test_doctests():
-    results = doctest.testmod(importlib.import_module("loopax.losses._adaptive_power"))
-    assert results.attempted > 0
-    assert results.failed == 0

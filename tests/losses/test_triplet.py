@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import itertools
 
 import flax.linen as nn
@@ -367,9 +365,3 @@ def test_trains_an_embedding_through_the_trainer(mining):
     assert np.isfinite(after)
     assert after < 0.7 * before
     assert [info.graph_type for info in compiled] == ["eval", "train"]
-
-
-def test_doctests():
-    results = doctest.testmod(importlib.import_module("loopax.losses._triplet"))
-    assert results.attempted > 0
-    assert results.failed == 0

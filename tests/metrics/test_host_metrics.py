@@ -172,17 +172,15 @@ def test_pending_values_stay_bounded_without_readers(monkeypatch):
     monkeypatch.setattr(_host_metrics, "MAX_PENDING", 8)
     fetched = count_fetches(monkeypatch)
     trainer = frozen_trainer(1, eval_=False)
-    stream = (
-        trainer._programs.steps.config.host_train._stream
-    )  # the trainer's pending values, to check them
+    host = trainer.host_metric_states  # the trainer's pending values, to check them
     rng = np.random.default_rng(4)
     errors, copying = [], []
     for _ in range(30):
         x, y = make_batch(rng)
         values = trainer.train_step(None, [x], [y])
         errors.append(host_errors(trainer, x, y))
-        assert len(stream.pending) < 8
-        copying.append(stream.copying)
+        assert host.pending_steps < 8
+        copying.append(host.copied_through)
     # Copies to the host start 4 steps at a time, 4 steps before those steps are folded
     # (8 pending -> 4): the fold of steps 0-3 at step 7 reads copies started at step 3.
     assert (

@@ -25,7 +25,7 @@ def push_all(in_flight: InFlight, count: int) -> tuple[list[int], list[int]]:
     pending_after: list[int] = []
     for index in range(count):
         in_flight.push(FakeOutput(index, waits))
-        pending_after.append(len(in_flight._pending))
+        pending_after.append(len(in_flight))
     return waits, pending_after
 
 

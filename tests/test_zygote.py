@@ -1,7 +1,9 @@
-"""The kill matrices' forked workers (`zygote.py`) run a script as `python script args` does:
-as `__main__` with its arguments, a JAX of their own (configured by the environment), and
-Python's exit: non-daemon threads joined, then `atexit`, the exit status as subprocess reports
-it (a SIGKILL is -9, an uncaught exception 1, Ctrl-C -2), and a run past its timeout killed.
+"""The forked workers of the kill matrices and multi-process tests (`zygote.py`, its server
+`_zygote_server.py`) run a script as `python script args` does: as `__main__` with its
+arguments, a JAX of their own (configured by the environment), and the interpreter's own exit:
+non-daemon threads joined, then `atexit`, the exit status as subprocess reports it (a SIGKILL
+is -9, an uncaught exception 1, Ctrl-C -2), and a run past its timeout killed. A server that
+could not fork safely refuses to start.
 """
 
 import os
@@ -10,6 +12,8 @@ import textwrap
 
 import pytest
 from zygote import Zygote
+
+from loopax.testing import multiprocess
 
 pytestmark = pytest.mark.cpu_devices  # children with simulated CPU device counts
 
@@ -64,7 +68,8 @@ def test_a_child_runs_the_script_as_python_would_and_exits_as_python_does(
     assert first == f"__main__ ['{mode}', '{tmp_path}'] 3 True"
     # The non-daemon thread ends before the atexit functions run, as at Python's exit.
     assert done.stdout.splitlines()[1:] == (["thread", "atexit"] if exits else [])
-    if mode == "raise":
+    if mode == "raise":  # the traceback from the script's frame on, as Python prints it
+        assert done.stderr.startswith(f'Traceback (most recent call last):\n  File "{script}"')
         assert done.stderr.strip().endswith("ValueError: the worker failed")
 
 
@@ -114,3 +119,30 @@ def test_a_child_refuses_a_jax_variable_that_jax_read_in_the_zygote(zygote, tmp_
     )
     again = zygote.run([script], timeout=60, env=env)
     assert again.stdout.splitlines() == ["again 1 False"], again.stderr
+
+
+UNSAFE_PRELOADS = {
+    "a thread": "import threading, time\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
+    "a JAX backend": "import jax\njax.devices()\n",
+}
+
+
+@pytest.mark.parametrize("started", sorted(UNSAFE_PRELOADS))
+def test_a_server_whose_preload_started_a_thread_or_a_backend_refuses_to_fork(started, tmp_path):
+    # A forked child would hold only the forking thread, or share the parent's devices.
+    (tmp_path / "unsafe_preload.py").write_text(UNSAFE_PRELOADS[started])
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    with pytest.raises(RuntimeError, match="the zygote did not start") as refused:
+        Zygote(env, preload=("jax", "unsafe_preload"))
+    assert "zygote: cannot fork safely" in str(refused.value)
+
+
+def parent_pid():
+    return os.getppid()
+
+
+@pytest.mark.usefixtures("forked_processes")
+def test_forked_processes_makes_multiprocess_fork_from_the_server(zygote_server):
+    assert multiprocess(2, 1, parent_pid, timeout=120) == [zygote_server.pid] * 2
