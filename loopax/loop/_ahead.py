@@ -14,6 +14,14 @@ class AheadCompiles:
     in the background (`Trainer.compile_ahead`), except those compiled or asked for already
     and those of the dispatches read now (they compile as they run, beside the others).
 
+    The first group asks for nothing: before the first step only the program that step
+    runs is traced and compiled, as in a run of one step a call (the other sizes' tracing
+    and lowering on the training thread, and their compiling on cores the first program's
+    compiling needs, made a fused run's first step slower: issue 33 item 4). The second
+    group asks for the sizes of the steps from its own on, its own included when it is of
+    a size not compiled yet (the training thread then waits for it, compiled beside the
+    others), so that no group after the first compiles on the training thread.
+
     Args:
       trainer: compiles the programs.
       most: the loop's steps per execution (the largest group).
@@ -24,15 +32,21 @@ class AheadCompiles:
         self._most = most
         self._cut = -1  # the cut the sizes were last asked up to
         self._asked: set[int] = set()
+        self._groups = 0  # the groups started so far
 
     def before_group(self, dispatches: list[Dispatch], first: int, cut: int) -> None:
         """Before the group of `dispatches`, starting at step `first`, in steps up to `cut`."""
+        self._groups += 1
+        now = {dispatch.count for dispatch in dispatches}
+        if self._groups == 1:  # the first group: its own program alone (it compiles it)
+            self._asked |= now
+            return
         if cut == self._cut:
             return
         self._cut = cut
         sizes = group_sizes(cut - first, self._most)
-        now = {dispatch.count for dispatch in dispatches}
-        wanted = sizes - self._asked - now
+        # The second group's own size, when new, is compiled beside the others (it waits).
+        wanted = sizes - self._asked - (now if self._groups > 2 else set())
         self._asked |= sizes | now
         if wanted:
             self._trainer.compile_ahead(dispatches[0], sorted(wanted, reverse=True))
