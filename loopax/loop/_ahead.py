@@ -32,21 +32,23 @@ class AheadCompiles:
         self._most = most
         self._cut = -1  # the cut the sizes were last asked up to
         self._asked: set[int] = set()
-        self._groups = 0  # the groups started so far
+        self._first = True  # no group started yet
+        self._own = True  # the next request also takes its group's own size (the second)
 
     def before_group(self, dispatches: list[Dispatch], first: int, cut: int) -> None:
         """Before the group of `dispatches`, starting at step `first`, in steps up to `cut`."""
-        self._groups += 1
-        now = {dispatch.count for dispatch in dispatches}
-        if self._groups == 1:  # the first group: its own program alone (it compiles it)
-            self._asked |= now
+        if cut == self._cut:  # every group but a cut's first: nothing to ask
             return
-        if cut == self._cut:
+        now = {dispatch.count for dispatch in dispatches}
+        if self._first:  # the first group: its own program alone (it compiles it)
+            self._first = False
+            self._asked |= now
             return
         self._cut = cut
         sizes = group_sizes(cut - first, self._most)
         # The second group's own size, when new, is compiled beside the others (it waits).
-        wanted = sizes - self._asked - (now if self._groups > 2 else set())
+        wanted = sizes - self._asked - (set() if self._own else now)
+        self._own = False
         self._asked |= sizes | now
         if wanted:
             self._trainer.compile_ahead(dispatches[0], sorted(wanted, reverse=True))
