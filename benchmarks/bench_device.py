@@ -32,17 +32,18 @@ a run stopped at its time limit keeps what it measured):
   waited for compiling, the time to its first dispatch's loss (from before the state and
   programs are built, and from the process's launch), peak host memory. Each worker keeps
   its programs in a cache of its own; the lm section loads them from there.
-- first-step: time to first step of a fused run (K=8 and K=32) against a per-step run's
-  (issue 33 item 4, target <= 1.2x), the tiny MLP on on-device data, a 256-step run with a
-  hook every 100 steps; every run a fresh process with the compilation caches off, rounds
-  rotated; beside each, the programs compiled before its first step and in the whole run
-  (`bench_first_step.py`).
 - lm: tokens/s side by side, against the hand-written `jax.jit` step: the hand-written scan
   of 8, loopax per step and fused K=8 (on-device data), bfloat16 on both sides. Then the MFU
   `hooks.throughput` reports for loopax's bfloat16 step beside the analytic figure
   `6 * params * tokens/s / peak` over the same run (peak: the one `hooks.throughput` knows for
   the device kind; a nominal 1 TFLOP/s where it knows none, e.g. on a CPU), and how many
   FLOPs XLA's cost analysis counts against the analytic `6 * params * tokens` a step.
+- first-step: time to first step of a fused run (K=8 and K=32) against a per-step run's
+  (issue 33 item 4, target <= 1.2x), the tiny MLP on on-device data, a 256-step run with a
+  hook every 100 steps; every run a fresh process with the compilation caches off, rounds
+  rotated; beside each, the programs compiled before its first step and in the whole run
+  (`bench_first_step.py`). It runs last, taking no time from the sections above within
+  `device_run.sh`'s budget; `DEVICE_RUN_ARGS="--only first-step"` runs it alone.
 
 Hygiene (recommendations 7 and 11 of `gpu-notes.md`): candidates run side by side in
 rounds whose order rotates (ratios are medians of per-round ratios); every program runs in
@@ -85,7 +86,7 @@ DIGITS = Path(__file__).resolve().parent.parent / "examples" / "digits.py"
 BATCHES = 16  # cycled device batches (XLA:GPU's command-buffer trace cache holds 16)
 XLA_CACHES = "none"  # jax_persistent_cache_enable_xla_caches; see start_cache
 NOMINAL_PEAK = 1e12  # FLOP/s, for MFU where hooks.throughput knows no peak
-SECTIONS = ("tiny", "fused", "enqueue", "digits", "lm-compile", "first-step", "lm")
+SECTIONS = ("tiny", "fused", "enqueue", "digits", "lm-compile", "lm", "first-step")
 
 
 @dataclasses.dataclass(frozen=True)
