@@ -38,6 +38,12 @@ a run stopped at its time limit keeps what it measured):
   `6 * params * tokens/s / peak` over the same run (peak: the one `hooks.throughput` knows for
   the device kind; a nominal 1 TFLOP/s where it knows none, e.g. on a CPU), and how many
   FLOPs XLA's cost analysis counts against the analytic `6 * params * tokens` a step.
+- first-step: time to first step of a fused run (K=8 and K=32) against a per-step run's
+  (issue 33 item 4, target <= 1.2x), the tiny MLP on on-device data, a 256-step run with a
+  hook every 100 steps; every run a fresh process with the compilation caches off, rounds
+  rotated; beside each, the programs compiled before its first step and in the whole run
+  (`bench_first_step.py`). It runs last, taking no time from the sections above within
+  `device_run.sh`'s budget; `DEVICE_RUN_ARGS="--only first-step"` runs it alone.
 
 Hygiene (recommendations 7 and 11 of `gpu-notes.md`): candidates run side by side in
 rounds whose order rotates (ratios are medians of per-round ratios); every program runs in
@@ -66,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import bench_first_step
 import bench_fused
 import bench_lm
 import jax
@@ -79,7 +86,7 @@ DIGITS = Path(__file__).resolve().parent.parent / "examples" / "digits.py"
 BATCHES = 16  # cycled device batches (XLA:GPU's command-buffer trace cache holds 16)
 XLA_CACHES = "none"  # jax_persistent_cache_enable_xla_caches; see start_cache
 NOMINAL_PEAK = 1e12  # FLOP/s, for MFU where hooks.throughput knows no peak
-SECTIONS = ("tiny", "fused", "enqueue", "digits", "lm-compile", "lm")
+SECTIONS = ("tiny", "fused", "enqueue", "digits", "lm-compile", "lm", "first-step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,7 @@ class Size:
     mfu_window: int  # steps between hooks.throughput's logs (well over the 32 in flight)
     worker_timeout: float  # seconds, each fresh LM process
     compile_kinds: tuple[str, ...]  # the LM variants compiled in fresh processes
+    first_step_rounds: int  # fresh processes per candidate in the first-step section
 
 
 SIZES = {
@@ -112,6 +120,7 @@ SIZES = {
         mfu_window=128,
         worker_timeout=90,
         compile_kinds=tuple(bench_lm.COMPILE_CANDIDATES_BF16.values()),
+        first_step_rounds=2,
     ),
     "small": Size(
         "small",
@@ -125,6 +134,7 @@ SIZES = {
         mfu_window=64,
         worker_timeout=120,
         compile_kinds=("hand", "loopax", "fused"),  # the other three share their code
+        first_step_rounds=3,
     ),
 }
 
@@ -673,6 +683,8 @@ def sections(
             section = digits_section(size, directory)
         elif key == "lm-compile":
             section = lm_compile_section(size, cache_root)
+        elif key == "first-step":
+            section = bench_first_step.section(size.first_step_rounds, size.worker_timeout)
         else:
             section = lm_section(size, rounds, on_round(key), progress)
         emit(key, section)

@@ -408,8 +408,9 @@ class Trainer:
     def compile_ahead(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
         """Compiles `dispatch`'s programs for groups of `counts` steps, in the background.
 
-        The Loop asks for the group sizes of its next steps, so no group after the first
-        waits for a compilation; `on_exec_creation` reports each when it is first used.
+        The Loop asks, from its second group on, for the group sizes of its next steps, so
+        no group after the first compiles on the training thread; `on_exec_creation`
+        reports each when it is first used.
         """
         self._programs.compile_ahead(dispatch, counts)
 

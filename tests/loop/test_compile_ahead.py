@@ -21,6 +21,11 @@ import loopax
 from loopax import hooks
 from loopax.testing._compilations import BACKEND_COMPILE_EVENT
 
+# JAX records this duration event once per program it lowers (traced, then turned into the
+# module XLA compiles), on the thread that lowers it: loopax lowers every train program on
+# the training thread, those it compiles in the background included.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
 ONE_DEVICE = jax.devices()[:1]
 BATCH_SIZE = 8
 K = 8
@@ -53,6 +58,7 @@ class CompileLog:
 
     def __init__(self):
         self.compiles = []
+        self.lowerings = []  # the names of the programs lowered, in order
 
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
@@ -66,6 +72,8 @@ class CompileLog:
         if event == BACKEND_COMPILE_EVENT:
             name = str(kwargs.get("fun_name", ""))
             self.compiles.append((name, threading.current_thread().name))
+        elif event == LOWERING_EVENT:
+            self.lowerings.append(str(kwargs.get("fun_name", "")))
 
 
 def train_program(name):
@@ -154,3 +162,65 @@ def test_a_group_needing_a_program_still_compiling_waits_for_it_and_compiles_it_
     assert len(train_compiles) == 2, log.compiles  # 4 and 1 steps, each once
     assert trainer.global_step == 20
     assert sorted(info.info.steps for info in trainer.executors()) == [1, 4]
+
+
+class FirstGroupEnd(loopax.hooks.Schedule):
+    """Fires once, at the end of a run's first group, which it does not cut short.
+
+    A clock schedule's kind (`time_based`): with fused steps it is asked at group ends only.
+    """
+
+    time_based = True
+    checks_every_step = True
+
+    def start_run(self, run):
+        self.fired_once = False
+
+    def should_fire(self, run):
+        fire, self.fired_once = not self.fired_once, True
+        return fire
+
+
+def programs_before_the_first_step(steps_per_execution, on_device):
+    """The train programs lowered and compiled before a run's first group ended, and in all.
+
+    The run: 39 steps, a hook every 13 (groups of 8, 4 and 1 between its firings with K=8).
+    """
+    trainer = new_trainer()
+    loop = loopax.Loop(trainer, steps_per_execution=steps_per_execution)
+    first = {}
+
+    def at_first_group_end(loop, metrics):
+        jax.block_until_ready(metrics["loss"])
+        first["step"] = trainer.global_step
+        first["lowered"] = [name for name in log.lowerings if train_program(name)]
+        first["compiled"] = [name for name, _ in log.compiles if train_program(name)]
+
+    loop.on_step("first group", at_first_group_end, when=FirstGroupEnd())
+    hooks.every_n_steps(loop, 13, "cut", lambda loop, metrics: None)
+    with CompileLog() as log:
+        loop.run_steps(make_data(on_device), 39)
+    compiled = [name for name, _ in log.compiles if train_program(name)]
+    return first, compiled, trainer
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["on-device", "host-batches"])
+def test_before_its_first_step_a_fused_run_builds_only_the_first_groups_program(on_device):
+    """Issue 33 item 4: a fused run's first step waits for one program, as a per-step run's.
+
+    The other group sizes (4 and 1 here) are lowered and compiled once the first group has
+    run: before, they were lowered on the training thread before the first group and
+    compiled beside its program, and the first step waited for that.
+    """
+    first, compiled, trainer = programs_before_the_first_step(K, on_device)
+    assert first["step"] == K  # the hook did not cut the first group short
+    assert len(first["lowered"]) == 1, first  # the 8 steps' program alone
+    assert len(first["compiled"]) == 1, first
+    # Over the run: one program per group size (8, 4, 1), each compiled once.
+    assert len(compiled) == 3, compiled
+    assert sorted(executor.info.steps for executor in trainer.executors()) == [1, 4, 8]
+
+    per_step_first, per_step_compiled, _ = programs_before_the_first_step(1, on_device)
+    assert per_step_first["step"] == 1
+    assert len(per_step_first["lowered"]) == len(first["lowered"])
+    assert len(per_step_compiled) == 1  # one program for every step
