@@ -346,7 +346,8 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
     """`yield_batch` for gradient accumulation: up to `count` batches, stacked.
 
     Each input and label of up to `count` consecutive batches of `dataset` is stacked on
-    a new leading axis.
+    a new leading axis. An on-device `ArrayDataset` gives them stacked already, by one
+    compiled gather (`_stacked_reader`).
 
     A group ends early when the dataset ends after its first batch (one optimizer step
     over fewer micro-batches); `StopIteration` only when no batch is left.
@@ -355,6 +356,8 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
       ValueError: a batch is not `(spec, inputs, labels)`, or the batches of one group
         differ in spec, number of arrays or shapes (they cannot be stacked).
     """
+    if isinstance(dataset, ArrayDataset) and dataset.on_device:
+        return _stacked_reader(dataset, count)
     yield_batch = dataset.yield_batch
 
     def read() -> Batch:
@@ -376,6 +379,54 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
         inputs = [join_arrays([g[1][i] for g in group]) for i in range(len(group[0][1]))]
         labels = [join_arrays([g[2][i] for g in group]) for i in range(len(group[0][2]))]
         return spec, inputs, labels
+
+    return read
+
+
+def _stacked_reader(dataset: ArrayDataset, count: int) -> Callable[[], Batch]:
+    """`micro_batch_reader` of an on-device `ArrayDataset`: `yield_batches(count)`.
+
+    One compiled program gathers a step's micro-batches already stacked, where a batch at a
+    time took `count` gathers and a stacking program per array. Fewer programs per step
+    also keep XLA's queue short: the Loop bounds the steps in flight, not their programs,
+    and on several CPU devices a queue past XLA's cap deadlocks (`limit_for`). A group that
+    an epoch's end cuts short goes on in the next epoch (as `count` `yield_batch` calls
+    would), its pieces joined; so does one a smaller last batch stops, which then fails
+    the same-shape check as the batch-at-a-time reader does.
+    """
+    yield_batches = dataset.yield_batches
+
+    def shapes_of(piece: Batch) -> tuple:
+        """A stacked piece as one of its batches, for `_check_same_kind` (shapes only)."""
+
+        def one(array: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(array.shape[1:], array.dtype)
+
+        spec, inputs, labels = piece
+        return spec, [one(a) for a in inputs], [one(a) for a in labels]
+
+    def read() -> Batch:
+        pieces: list[Batch] = []
+        taken = 0
+        while taken < count:
+            try:
+                piece = yield_batches(count - taken)
+            except StopIteration:
+                if not pieces:
+                    raise
+                break
+            if pieces:
+                _check_same_kind(dataset, shapes_of(pieces[0]), shapes_of(piece), taken, count)
+            pieces.append(piece)
+            taken += piece[1][0].shape[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        spec, inputs, labels = pieces[0]
+        return (
+            spec,
+            [join_arrays([p[1][i] for p in pieces], stack=False) for i in range(len(inputs))],
+            [join_arrays([p[2][i] for p in pieces], stack=False) for i in range(len(labels))],
+        )
 
     return read
 
