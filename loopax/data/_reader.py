@@ -386,13 +386,13 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
 def _stacked_reader(dataset: ArrayDataset, count: int) -> Callable[[], Batch]:
     """`micro_batch_reader` of an on-device `ArrayDataset`: `yield_batches(count)`.
 
-    One compiled program gathers a step's micro-batches already stacked, where a batch at a
-    time took `count` gathers and a stacking program per array. Fewer programs per step
-    also keep XLA's queue short: the Loop bounds the steps in flight, not their programs,
-    and on several CPU devices a queue past XLA's cap deadlocks (`limit_for`). A group that
-    an epoch's end cuts short goes on in the next epoch (as `count` `yield_batch` calls
-    would), its pieces joined; so does one a smaller last batch stops, which then fails
-    the same-shape check as the batch-at-a-time reader does.
+    One compiled program gathers a step's micro-batches already stacked, instead of a
+    gather per micro-batch and a stacking program per array. Fewer programs per step also
+    keep XLA's queue short: the Loop bounds the steps in flight, not their programs, and on
+    several CPU devices a queue past XLA's cap deadlocks (`limit_for`). A group cut short
+    by an epoch's end goes on in the next epoch (as `count` `yield_batch` calls would) and
+    its pieces are joined; one stopped by a smaller last batch fails the same-shape check,
+    as the batch-at-a-time reader does.
     """
     yield_batches = dataset.yield_batches
 
