@@ -348,7 +348,8 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
     """`yield_batch` for gradient accumulation: up to `count` batches, stacked.
 
     Each input and label of up to `count` consecutive batches of `dataset` is stacked on
-    a new leading axis.
+    a new leading axis. An on-device `ArrayDataset` gives them stacked already, by one
+    compiled gather (`_stacked_reader`).
 
     A group ends early when the dataset ends after its first batch (one optimizer step
     over fewer micro-batches); `StopIteration` only when no batch is left.
@@ -357,6 +358,8 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
       ValueError: a batch is not `(spec, inputs, labels)`, or the batches of one group
         differ in spec, number of arrays or shapes (they cannot be stacked).
     """
+    if isinstance(dataset, ArrayDataset) and dataset.on_device:
+        return _stacked_reader(dataset, count)
     yield_batch = dataset.yield_batch
 
     def read() -> Batch:
@@ -364,6 +367,54 @@ def micro_batch_reader(dataset: Any, count: int) -> Callable[[], Batch]:
         for index, batch in enumerate(group[1:], 1):
             _check_same_kind(dataset, group[0], batch, index, count)
         return (group[0][0], *_joined(group))
+
+    return read
+
+
+def _stacked_reader(dataset: ArrayDataset, count: int) -> Callable[[], Batch]:
+    """`micro_batch_reader` of an on-device `ArrayDataset`: `yield_batches(count)`.
+
+    One compiled program gathers a step's micro-batches already stacked, instead of a
+    gather per micro-batch and a stacking program per array. Fewer programs per step also
+    keep XLA's queue short: the Loop bounds the steps in flight, not their programs, and on
+    several CPU devices a queue past XLA's cap deadlocks (`limit_for`). A group cut short
+    by an epoch's end goes on in the next epoch (as `count` `yield_batch` calls would) and
+    its pieces are joined; one stopped by a smaller last batch fails the same-shape check,
+    as the batch-at-a-time reader does.
+    """
+    yield_batches = dataset.yield_batches
+
+    def shapes_of(piece: Batch) -> tuple:
+        """A stacked piece as one of its batches, for `_check_same_kind` (shapes only)."""
+
+        def one(array: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(array.shape[1:], array.dtype)
+
+        spec, inputs, labels = piece
+        return spec, [one(a) for a in inputs], [one(a) for a in labels]
+
+    def read() -> Batch:
+        pieces: list[Batch] = []
+        taken = 0
+        while taken < count:
+            try:
+                piece = yield_batches(count - taken)
+            except StopIteration:
+                if not pieces:
+                    raise
+                break
+            if pieces:
+                _check_same_kind(dataset, shapes_of(pieces[0]), shapes_of(piece), taken, count)
+            pieces.append(piece)
+            taken += piece[1][0].shape[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        spec, inputs, labels = pieces[0]
+        return (
+            spec,
+            [join_arrays([p[1][i] for p in pieces], stack=False) for i in range(len(inputs))],
+            [join_arrays([p[2][i] for p in pieces], stack=False) for i in range(len(labels))],
+        )
 
     return read
 

@@ -122,7 +122,7 @@ class Runner:
         self._warned_epoch_hooks = False
         self._pending_error: BaseException | None = None
         self._resumed_run: dict[str, int] | None = None  # the run a restored state was in
-        self._in_flight = InFlight(limit_for(trainer.num_devices))
+        self._in_flight = InFlight(limit_for(trainer.devices))
         # Several processes: a process reads the agreed stop at its settle points, which come
         # at most `limit + 1` dispatches apart, and no process runs more than that ahead of
         # another's dispatched steps; twice that, and one, is past any process's first look.

@@ -11,7 +11,7 @@ from .. import _warnings
 from ..data import Dataset
 from ..data._internal import as_list, evaluation_dataset, read_batches, shown_name
 from ._batches import check_same_batch_size_everywhere, dropped_examples_warning
-from ._inflight import InFlight
+from ._inflight import DEFAULT_LIMIT, InFlight, limit_for
 from ._named import named_metrics
 from ._program import EVAL, EVAL_UNEVEN, EVAL_WHOLE
 from ._shares import masked_pieces, rounds, spans_processes
@@ -78,7 +78,8 @@ class Evaluator:
             _warnings.warn(dropped)  # at the user's line
         dataset.reset()
         self.reset()
-        in_flight = InFlight()
+        # Never more than the Loop's bound for these devices (see `limit_for`).
+        in_flight = InFlight(min(DEFAULT_LIMIT, limit_for(self._strategy.devices)))
         values = None
         batches = read_batches(dataset, "evaluation")
         if spans_processes(self._strategy.devices):

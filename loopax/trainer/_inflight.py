@@ -3,20 +3,44 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from .._devices import Device
 
 DEFAULT_LIMIT = 8
 # On one device no collective can deadlock, so more steps may queue and the host wakes less
 # often (once per 17 steps): each wake-up is a thread hand-off that shows on a small model
 # (figures: docs/benchmarks.md, "Why the code is the way it is").
 SINGLE_DEVICE_LIMIT = 32
+# Several CPU devices of one process (simulated ones, `--xla_force_host_platform_device_count`)
+# keep a shorter queue, counted in the XLA computations it holds rather than in steps. XLA's
+# CPU client admits at most 32 unfinished computations per device (`CpuClientOptions.
+# max_inflight_computations_per_device`), and a program over several devices is launched on
+# each device from a thread of its client pool, which blocks while that device is at the cap.
+# The pool has max(cores, devices) threads, so with no more cores than devices (4 simulated
+# devices on a 2-core machine) one blocked launch leaves a collective fewer threads than
+# participants: the devices that entered it wait for one that never runs, and after
+# `--xla_cpu_collective_call_terminate_timeout_seconds` (40 s) XLA aborts the process
+# ("Fatal Python error: Aborted" in a test worker). A step is often several programs (an
+# on-device dataset's gathers, the stacking of accumulated micro-batches, a hook's
+# reductions): the 9 steps a limit of 8 lets queue, at 5 programs each (a step of 2
+# accumulated micro-batches of on-device data took 2 gathers, 2 stackings and the step),
+# went past the cap. At most 5 steps queued leave room for 6 programs per step under it.
+MULTI_CPU_DEVICE_LIMIT = 4
 
 
-def limit_for(num_devices: int) -> int:
-    """The in-flight bound for a step over `num_devices` devices."""
-    return SINGLE_DEVICE_LIMIT if num_devices == 1 else DEFAULT_LIMIT
+def limit_for(devices: Sequence[Device]) -> int:
+    """The in-flight bound for a step over `devices` (all processes' devices)."""
+    if len(devices) == 1:
+        return SINGLE_DEVICE_LIMIT
+    process = jax.process_index()
+    local = [device for device in devices if device.process_index == process]
+    if len(local) > 1 and local[0].platform == "cpu":
+        return MULTI_CPU_DEVICE_LIMIT
+    return DEFAULT_LIMIT
 
 
 class InFlight:

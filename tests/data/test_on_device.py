@@ -1,6 +1,10 @@
 """`ArrayDataset(..., on_device=True)`: the host dataset's batches, taken on the devices."""
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import flax.linen as nn
@@ -216,6 +220,164 @@ def test_training_matches_host_dataset(num_devices, accumulate_steps):
     assert state == host_state
     assert loss == host_loss
     jax.tree.map(np.testing.assert_array_equal, params, host_params)
+
+
+@pytest.mark.parametrize(("examples", "accumulate_steps"), [(40, 2), (40, 3), (20, 4)])
+def test_accumulated_micro_batches_across_epoch_ends_match_host_dataset(
+    monkeypatch, examples, accumulate_steps
+):
+    # A step's micro-batches come from one gather where they lie in one epoch; a step an
+    # epoch's end cuts (5 batches of 8 an epoch, 2 or 3 a step; 20 examples: 2 batches
+    # an epoch, 4 a step) takes the rest from the next epoch, as yield_batch does.
+    gathers = []
+    real_gather = _device_data.DeviceArrays.gather
+
+    def counting_gather(self, start, count, size, stacked, epoch=None):
+        gathers.append(count)
+        return real_gather(self, start, count, size, stacked, epoch)
+
+    monkeypatch.setattr(_device_data.DeviceArrays, "gather", counting_gather)
+    devices = jax.devices()[:4]
+    rng = np.random.default_rng(1)
+    inputs = rng.normal(size=(examples, 3)).astype(np.float32)
+    labels = inputs @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    results = []
+    for on_device in (False, True):
+        trainer = loopax.Trainer(
+            model_fn,
+            loopax.losses.mean_squared_error,
+            optax.sgd(0.05),
+            devices=devices,
+            accumulate_steps=accumulate_steps,
+        )
+        dataset = loopax.ArrayDataset(
+            inputs,
+            labels,
+            batch_size=8,
+            loop_forever=True,
+            seed=3,
+            on_device=on_device,
+            devices=devices if on_device else None,
+        )
+        loss = loopax.Loop(trainer).run_steps(dataset, 10)["loss"]
+        results.append((jax.device_get(trainer.params), float(loss), dataset.get_state()))
+    (host_params, host_loss, host_state), (params, loss, state) = results
+    assert state == host_state and loss == host_loss
+    jax.tree.map(np.testing.assert_array_equal, params, host_params)
+    # One gather per step and epoch it reads: not one per micro-batch.
+    per_epoch = examples // 8
+    pieces = [
+        len(
+            {
+                batch // per_epoch
+                for batch in range(step * accumulate_steps, (step + 1) * accumulate_steps)
+            }
+        )
+        for step in range(10)
+    ]
+    assert len(gathers) == sum(pieces) < sum(gathers) == 10 * accumulate_steps
+
+
+def test_accumulating_a_smaller_last_batch_fails_as_on_the_host():
+    devices = jax.devices()[:1]
+    inputs = np.arange(EXAMPLES * 3, dtype=np.float32).reshape(EXAMPLES, 3)
+    errors = []
+    for on_device in (False, True):
+        trainer = loopax.Trainer(
+            model_fn,
+            loopax.losses.mean_squared_error,
+            optax.sgd(0.05),
+            devices=devices,
+            accumulate_steps=2,
+        )
+        # 10 examples in batches of 4: the third has 2, which the second step cannot stack
+        # with the next epoch's first.
+        dataset = loopax.ArrayDataset(
+            inputs,
+            inputs[:, :1],
+            4,
+            drop_remainder=False,
+            loop_forever=True,
+            on_device=on_device,
+            devices=devices if on_device else None,
+        )
+        with pytest.raises(RuntimeError, match="micro-batch 1 has spec") as raised:
+            loopax.Loop(trainer).run_steps(dataset, 3)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+# Run in a child process: several CPU devices whose steps are held (each waits for `go`)
+# while the Loop dispatches on. Where the host thread then waits says what bounds the
+# queue: the Loop's in-flight bound (`_inflight.py:push`), or XLA's cap on a device's
+# unfinished computations (its launch blocking inside a program's call). On a machine with
+# no more cores than devices the latter deadlocked a collective and XLA aborted the worker
+# (`limit_for`); the child's thread pool is made larger than that here, so that the held
+# steps leave threads to launch programs on and the child only reports where it waited.
+HELD_STEPS_CHILD = textwrap.dedent("""
+    import os, sys, threading, time, traceback
+    import flax.linen as nn, jax, numpy as np, optax
+    import loopax
+
+    go = threading.Event()
+    go.set()
+
+    def model_fn(ctx, spec, inputs):
+        out = nn.Dense(1)(inputs[0])
+        jax.debug.callback(lambda _: go.wait(), out)  # holds the step on every device
+        return out
+
+    devices = jax.devices()[:4]
+    x = np.random.default_rng(0).normal(size=(48, 3)).astype(np.float32)
+    dataset = loopax.ArrayDataset(x, x[:, :1], batch_size=8, loop_forever=True, seed=2,
+                                  on_device=True, devices=devices)
+    trainer = loopax.Trainer(model_fn, loopax.losses.mean_squared_error, optax.sgd(0.05),
+                             devices=devices, accumulate_steps=int(sys.argv[1]))
+    loop = loopax.Loop(trainer)
+    loop.run_steps(dataset, 8)  # compiles every program the run below takes
+    main, waited = threading.main_thread().ident, []
+
+    def watch():  # the host thread's stack, once unchanged for 2 s: it waits there
+        last, since = None, time.monotonic()
+        while not waited:
+            time.sleep(0.05)
+            stack = traceback.extract_stack(sys._current_frames()[main])
+            frames = [(frame.filename, frame.lineno) for frame in stack]
+            if frames != last:
+                last, since = frames, time.monotonic()
+            elif time.monotonic() - since > 2:
+                waited.append(f"{os.path.basename(stack[-1].filename)}:{stack[-1].name}")
+        go.set()
+
+    go.clear()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    loop.run_steps(dataset, 40)
+    watcher.join()
+    print("host waited in", waited[0])
+""")
+
+
+@pytest.mark.cpu_devices
+@pytest.mark.parametrize("accumulate_steps", [2, 4])
+def test_held_steps_stop_the_host_at_the_loops_bound_not_xlas_cap(accumulate_steps):
+    env = dict(os.environ)
+    # A deadlock, were there one, aborts in seconds rather than after XLA's 40.
+    env["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=4 "
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=10 "
+        "--xla_cpu_collective_call_terminate_timeout_seconds=20"
+    )
+    env["PJRT_NPROC"] = "16"  # XLA's CPU thread pool: more threads than devices
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_STEPS_CHILD, str(accumulate_steps)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "host waited in _inflight.py:push", done.stdout
 
 
 @pytest.mark.parametrize("num_devices", [1, 4])

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
-from loopax.trainer._inflight import DEFAULT_LIMIT, SINGLE_DEVICE_LIMIT, InFlight, limit_for
+from loopax.trainer._inflight import (
+    DEFAULT_LIMIT,
+    MULTI_CPU_DEVICE_LIMIT,
+    SINGLE_DEVICE_LIMIT,
+    InFlight,
+    limit_for,
+)
 
 
 class FakeOutput:
@@ -58,12 +65,34 @@ def test_limit_below_two_is_rejected():
         InFlight(1)
 
 
+class FakeDevice:
+    """A device of another platform (an accelerator), as `limit_for` reads it."""
+
+    def __init__(self, platform: str, process_index: int = 0):
+        self.platform = platform
+        self.process_index = process_index
+
+
 def test_one_device_queues_more_steps_than_several():
-    # Several devices keep the short queue that avoids collective deadlocks on few cores.
-    assert limit_for(1) == SINGLE_DEVICE_LIMIT > limit_for(4) == limit_for(2) == DEFAULT_LIMIT
-    waits, pending_after = push_all(InFlight(limit_for(1)), 100)
+    gpus = [FakeDevice("gpu") for _ in range(4)]
+    assert limit_for(gpus[:1]) == SINGLE_DEVICE_LIMIT > limit_for(gpus) == DEFAULT_LIMIT
+    assert limit_for(jax.devices()[:1]) == SINGLE_DEVICE_LIMIT
+    waits, pending_after = push_all(InFlight(limit_for(gpus[:1])), 100)
     assert max(pending_after) == SINGLE_DEVICE_LIMIT
     assert len(waits) == (100 - SINGLE_DEVICE_LIMIT - 1) // (SINGLE_DEVICE_LIMIT // 2 + 1) + 1
+
+
+@pytest.mark.cpu_devices
+def test_several_cpu_devices_of_a_process_queue_fewer_steps():
+    # XLA's CPU client deadlocks a collective once a device holds 32 unfinished
+    # computations and its thread pool has no more threads than devices (see `limit_for`):
+    # the queue's steps, the one waited on included, times 6 programs a step stay below.
+    cpus = jax.devices()[:4]
+    assert limit_for(cpus) == limit_for(cpus[:2]) == MULTI_CPU_DEVICE_LIMIT < DEFAULT_LIMIT
+    assert (MULTI_CPU_DEVICE_LIMIT + 1) * 6 < 32
+    # Other processes' CPU devices share no thread pool with these: one local device each.
+    spread = [FakeDevice("cpu", process) for process in range(4)]
+    assert limit_for(spread) == DEFAULT_LIMIT
 
 
 class ReadyOutput(FakeOutput):
