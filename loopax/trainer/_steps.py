@@ -19,6 +19,8 @@ from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._models import explained_model_errors
 from ._packed import averaged
 from ._precision import (
+    OVERFLOW_COUNT,
+    SCALE,
     all_finite,
     cast_floating,
     fresh_dynamic_scale,
@@ -279,7 +281,7 @@ class StepBuilder:
         config = self.config
         scale = None
         if config.dynamic_scale:
-            scale = state.loss_scale[0]
+            scale = state.loss_scale[SCALE]
         elif config.loss_scale is not None:
             scale = jnp.float32(config.loss_scale)
         if config.accumulate:
@@ -344,9 +346,9 @@ class StepBuilder:
         if config.reports_skips:
             values[SKIPPED_STEPS] = self.loss_average.skipped(loss_average)
         if config.dynamic_scale:  # of the skips, the overflows, since training began
-            values[OVERFLOW_STEPS] = loss_scale[2]
+            values[OVERFLOW_STEPS] = loss_scale[OVERFLOW_COUNT]
         if config.loss_scale is not None:  # the scale the next step uses
-            values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
+            values[LOSS_SCALE] = loss_scale[SCALE] if config.dynamic_scale else scale
         values.update(norms)
         values.update(aux)
         # Host metrics' step values, returned unread (a skipped step's are left out).
