@@ -17,6 +17,7 @@ from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._models import explained_model_errors
+from ._named import StepResult
 from ._packed import averaged
 from ._precision import (
     OVERFLOW_COUNT,
@@ -369,16 +370,20 @@ class StepBuilder:
         )
         return new_state, values
 
-    def train_steps(self, spec, rng, state: TrainState, inputs, labels):
+    def train_steps(
+        self, spec, rng, state: TrainState, inputs, labels
+    ) -> tuple[TrainState, StepResult]:
         """Per-device: `train` over the leading steps axis of `inputs`/`labels`, in one scan.
 
-        Returns the new state and `(stacked, last)`, by metric name: the compiled metrics'
-        values of every step (a leading steps axis), and the last step's values, in which
-        a host metric's step values are those of all the steps folded into one.
+        Returns the new state and a `StepResult` by metric name: `last`, the last step's
+        values, in which a host metric's step values are those of all the steps folded into
+        one, and `stacked`, the compiled metrics' values of every step (a leading steps axis).
         """
         return self.scan_steps(spec, rng, state, (list(inputs), list(labels)), lambda xs: xs)
 
-    def scan_steps(self, spec, rng, state: TrainState, xs: Any, batch_of: Callable) -> tuple:
+    def scan_steps(
+        self, spec, rng, state: TrainState, xs: Any, batch_of: Callable
+    ) -> tuple[TrainState, StepResult]:
         """Per-device: `train` on `batch_of(x) -> (inputs, labels)` for each step's `x` of `xs`.
 
         One `lax.scan` over the leading axis of `xs`; returns as `train_steps`.
@@ -394,4 +399,4 @@ class StepBuilder:
         for metric in self.config.host_train.metrics:
             # A host metric's StepValues of every step, folded into one step's.
             last[metric.name] = values[metric.name].of_micro_batches()
-        return state, (stacked, last)
+        return state, StepResult(last, stacked)
