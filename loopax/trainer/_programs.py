@@ -18,7 +18,15 @@ from ._creation import StateCreator, StateRecipe
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
 from ._named import StepResult, fused_metrics, named_metrics
-from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
+from ._program import (
+    EVAL_MASKED,
+    STEPS,
+    TRAIN,
+    TRAIN_STEPS,
+    TRAIN_STEPS_GATHERED,
+    Program,
+    Source,
+)
 from ._step_config import StepConfig
 from ._steps import StepBuilder
 
@@ -227,7 +235,7 @@ class Programs:
         if not strategy.compiles_ahead:
             return
         program, (inputs, labels), chunk = _program_of(dispatch)
-        source = (inputs, labels) if chunk is None else chunk
+        source: Source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))
         try:
             self._creator.prepare(
@@ -340,7 +348,7 @@ class Programs:
     ) -> tuple[Any, ExecInfo, float]:
         """`program` lowered for the batch; its description (no costs yet) and the seconds taken."""
         strategy = self._strategy
-        source = (inputs, labels) if chunk is None else chunk
+        source: Source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))  # axes before the batch axis
         self._creator.prepare(
             self.steps, spec, lambda: program.model_inputs(strategy, source, leading)
