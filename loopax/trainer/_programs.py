@@ -173,7 +173,7 @@ class Programs:
         )
         placed = self._placed
         state, values = executor.run(placed.device_state, inputs, labels)
-        placed.advance(state, dispatch.count)
+        placed.advance(state, int(inputs[0].shape[0]))  # the steps its batches stack
         return fused_metrics(self.metric_names, values, self._host_train)
 
     def _train_gathered(self, spec: Any, chunk: DeviceChunk) -> StepResult:
