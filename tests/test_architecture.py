@@ -387,8 +387,15 @@ def test_no_import_cycle_among_loopax_modules():
 
 
 # Fields that one member owns and changes through its own methods only; other objects read
-# them (the Programs run a step and hand its state to `PlacedState.advance`).
-OWNED_FIELDS = {"device_state", "global_step"}
+# them (the Programs run a step and hand its state to `PlacedState.advance`; a `StepBuilder`
+# keeps what its traces saw).
+OWNED_FIELDS = {
+    "device_state",
+    "global_step",
+    "aux_names",
+    "aux_traced",
+    "traced_prediction_shapes",
+}
 
 
 def stores_into_others(tree, fields):

@@ -100,7 +100,7 @@ class Programs:
         """
         config = dataclasses.replace(self.steps.config, **changes)
         previous, self.steps = self.steps, StepBuilder(self._recipe.adapted, config)
-        self.steps.aux_names, self.steps.aux_traced = previous.aux_names, previous.aux_traced
+        self.steps.carry_aux_names(previous)
         self._cache.clear()
         self._creator.cancel()
 
@@ -358,8 +358,7 @@ class Programs:
         arguments = program.arguments(strategy, source, leading)
         sharded = len(arguments) if program.sharded is None else program.sharded
         run = program.wrap(program, strategy, self.steps, spec, rng, source, leading, sharded)
-        self.steps.traced_prediction_shapes = None  # a trace JAX took from its cache sets none
-        lowered = run.lower(state, *states, *arguments)
+        lowered, prediction_shapes = self.steps.lower(run, state, *states, *arguments)
         info = ExecInfo(
             graph_type=program.graph_type,
             spec=spec,
@@ -368,7 +367,7 @@ class Programs:
             label_shapes=tuple(tuple(a.shape) for a in labels),
             label_dtypes=tuple(str(a.dtype) for a in labels),
             compile_seconds=0.0,
-            prediction_shapes=self.steps.traced_prediction_shapes or (),
+            prediction_shapes=prediction_shapes,
         )
         return lowered, info, time.perf_counter() - started
 

@@ -97,6 +97,19 @@ class StepBuilder:
         # tracing, free at run time): what `ExecInfo.prediction_shapes` reports.
         self.traced_prediction_shapes: tuple[tuple[int, ...], ...] | None = None
 
+    def carry_aux_names(self, previous: StepBuilder) -> None:
+        """Takes `previous`'s loss aux names as traced: the loss function is the same."""
+        self.aux_names, self.aux_traced = previous.aux_names, previous.aux_traced
+
+    def lower(self, run: Any, *arguments: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+        """`run` (a jitted body of these steps) lowered for `arguments`; its predictions' shapes.
+
+        The shapes are those the trace gave the loss; () when JAX took the trace from its cache.
+        """
+        self.traced_prediction_shapes = None  # a trace JAX took from its cache sets none
+        lowered = run.lower(*arguments)
+        return lowered, self.traced_prediction_shapes or ()
+
     def _train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
         return {
