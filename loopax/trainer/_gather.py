@@ -23,7 +23,7 @@ from ..data._internal import Reading, rows_at
 from ._named import StepResult
 
 # The key of the position after a group, beside the last step's metrics; not a metric:
-# the Trainer takes it out before any metric is named (`Programs.train_gathered`).
+# the Trainer takes it out before any metric is named (`Programs._train_gathered`).
 AFTER = "loopax:position_after"
 
 

@@ -119,6 +119,11 @@ def test_train_steps_keeps_its_stacked_then_last_order_and_counts_its_steps():
         ([], ValueError, "at least one input is required"),
         (["not an array"], TypeError, "inputs.0. for spec None is a str, not an array"),
         ([np.float32(1)], ValueError, r"shape \(steps, batch, ...\)"),
+        (
+            [np.ones((3, 4, 3), np.float32)],
+            ValueError,
+            r"mixes leading steps sizes \[\(2,\), \(3,\)\]",
+        ),
     ],
 )
 def test_train_steps_refuses_a_bad_batch_before_taking_a_step(inputs, error, match):
