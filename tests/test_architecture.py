@@ -498,3 +498,48 @@ def test_no_import_cycle_among_loopax_modules():
         ]
         shown.append(f"{', '.join(cycle)}: {'; '.join(inside)}")
     assert not cycles, "import cycles among loopax's modules:\n" + "\n".join(shown)
+
+
+# Fields that one member owns and changes through its own methods only; other objects read
+# them (the Programs run a step and hand its state to `PlacedState.advance`; a `StepBuilder`
+# keeps what its traces saw).
+OWNED_FIELDS = {
+    "device_state",
+    "global_step",
+    "aux_names",
+    "aux_traced",
+    "traced_prediction_shapes",
+}
+
+
+def stores_into_others(tree, fields):
+    """(line, target) of each store into one of `fields` of an object other than `self`."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and node.attr in fields
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+        ):
+            yield node.lineno, ast.unparse(node)
+
+
+def test_owned_fields_are_written_only_by_their_owner():
+    stores = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {target}"
+        for path, tree in modules()
+        for line, target in stores_into_others(tree, OWNED_FIELDS)
+    ]
+    assert not stores, "another object's owned field written:\n" + "\n".join(stores)
+
+
+def test_the_owned_field_rule_sees_each_store():
+    text = (
+        "placed.global_step += 1\n"
+        "self._placed.device_state, values = run()\n"
+        "self.global_step = 0\n"
+        "steps = placed.global_step\n"
+        "self.device_state: int = 0\n"
+    )
+    found = sorted(target for _, target in stores_into_others(ast.parse(text), OWNED_FIELDS))
+    assert found == ["placed.global_step", "self._placed.device_state"]

@@ -184,7 +184,7 @@ def check_leading_axes(
     counts = sorted({tuple(a.shape[: len(names)]) for a in arrays})
     if len(counts) != 1:
         raise ValueError(
-            f"the train batch for spec {spec!r} mixes leading {layout[1:-9]} sizes {counts} "
+            f"the train batch for spec {spec!r} mixes leading {', '.join(names)} sizes {counts} "
             f"(input shapes {[a.shape for a in inputs]}, label shapes "
             f"{[a.shape for a in labels]}); every input and label needs the same shape {layout}"
         )

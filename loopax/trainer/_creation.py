@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
+class StateRecipe:
     """What the programs build the state from: the model, its seed and its start.
 
     Attributes:
@@ -129,7 +129,7 @@ class StateCreator:
     """Creates the train state from the first batch, or checks a loaded one against the model.
 
     Args:
-      model: what the state is built from.
+      recipe: what the state is built from.
       strategy: where the state lives.
       placed: the train state the programs run on.
 
@@ -137,8 +137,8 @@ class StateCreator:
       pending: the state being created, or None.
     """
 
-    def __init__(self, model: Model, strategy: Strategy, placed: PlacedState):
-        self._model = model
+    def __init__(self, recipe: StateRecipe, strategy: Strategy, placed: PlacedState):
+        self._recipe = recipe
         self._strategy = strategy
         self._placed = placed
         self.pending: PendingState | None = None
@@ -163,7 +163,7 @@ class StateCreator:
         placed = self._placed
         if self.pending is not None:
             return
-        if placed.placed is None:
+        if placed.device_state is None:
             self.pending = self._start(steps, spec, model_inputs())
         elif placed.unverified_source is not None:
             self._verify_loaded_state(steps, spec, self._strategy.global_batch(model_inputs()))
@@ -173,7 +173,7 @@ class StateCreator:
         pending = self.pending
         if pending is not None:
             return pending.abstract, pending.rng
-        return self._placed.placed, self._placed.rng
+        return self._placed.device_state, self._placed.rng
 
     def finish(self) -> bool:
         """Creates the state being created, if any; whether the programs lowered for it fit it.
@@ -197,7 +197,7 @@ class StateCreator:
         return (
             rng is not None
             and np.array_equal(np.asarray(rng), np.asarray(pending.rng))
-            and _signature(placed.placed) == _signature(pending.abstract)
+            and _signature(placed.device_state) == _signature(pending.abstract)
         )
 
     def cancel(self) -> None:
@@ -215,8 +215,8 @@ class StateCreator:
             concurrent.futures.wait([pending.compiled])
 
     def _start(self, steps: StepBuilder, spec: Any, inputs: list[Any]) -> PendingState:
-        model = self._model
-        init_params = model.init_params
+        recipe = self._recipe
+        init_params = recipe.init_params
         given_state: dict = {}
 
         def given(params: Any) -> Any:
@@ -227,7 +227,7 @@ class StateCreator:
             return from_plain(params, start, "init_params", hint=_INIT_PARAMS_HINT)
 
         per_device = steps.init_variables
-        rng = jax.random.PRNGKey(model.seed)
+        rng = jax.random.PRNGKey(recipe.seed)
         creation, arguments = self._strategy.state_creation(
             lambda key, xs: per_device(spec, key, xs),
             functools.partial(self._build_state, steps),
@@ -254,11 +254,11 @@ class StateCreator:
         if start is not None:
             params = start
         if not jax.tree.leaves(params):
-            raise ValueError(no_parameters_message(self._model.given))
+            raise ValueError(no_parameters_message(self._recipe.given))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=self._model.optimizer.init(params),
+            opt_state=self._recipe.optimizer.init(params),
             model_state=variables,
             rng=rng,
             train_metrics=steps.fresh_train_metrics(),
@@ -270,7 +270,7 @@ class StateCreator:
     def _verify_loaded_state(self, steps: StepBuilder, spec: Any, inputs: list[Any]) -> None:
         """Checks a state loaded before the first batch against the model's variables."""
         where, state = self._placed.take_unverified()
-        key = jax.random.PRNGKey(self._model.seed)
+        key = jax.random.PRNGKey(self._recipe.seed)
         per_device = steps.init_variables
         initializer = self._strategy.initializer(lambda k, xs: per_device(spec, k, xs))
         expected = dict(jax.eval_shape(initializer, key, inputs))

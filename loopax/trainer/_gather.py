@@ -20,9 +20,10 @@ from jax import lax
 
 from .._devices import AXIS
 from ..data._internal import Reading, rows_at
+from ._named import StepResult
 
 # The key of the position after a group, beside the last step's metrics; not a metric:
-# the Trainer takes it out before any metric is named (`Programs.train_gathered`).
+# the Trainer takes it out before any metric is named (`Programs._train_gathered`).
 AFTER = "loopax:position_after"
 
 
@@ -33,6 +34,13 @@ def position_after(start: jax.Array, end: jax.Array, rows: int) -> jax.Array:
     """
     after = start + rows
     return jnp.where(after > end, after - end, after)
+
+
+def _with_position_after(
+    result: StepResult, start: jax.Array, end: jax.Array, rows: int
+) -> StepResult:
+    """A fused program's `result` with the epoch position after its group (`AFTER`) in `last`."""
+    return result._replace(last={**result.last, AFTER: position_after(start, end, rows)})
 
 
 def _group_positions(start: jax.Array, count: int, size: int, first: Any, local: int) -> Any:
@@ -63,8 +71,8 @@ def gathering_steps(
         positions = _group_positions(start, count, size, lax.axis_index(AXIS) * local, local)
         inputs, labels = rows_at(reading, lying, positions.reshape(-1), end)
         steps = jnp.arange(count, dtype=jnp.int32)
-        state, (stacked, last) = scan_steps(state, steps, _slicing(inputs, labels, local))
-        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
+        state, result = scan_steps(state, steps, _slicing(inputs, labels, local))
+        return state, _with_position_after(result, start, end, count * size)
 
     return program
 
@@ -106,7 +114,7 @@ def gathering(
     def program(state, lying, start, end):
         positions = _group_positions(start, count, size, 0, size)
         inputs, labels = rows_at(reading, lying, positions, end)
-        state, (stacked, last) = run(state, inputs, labels)
-        return state, (stacked, {**last, AFTER: position_after(start, end, count * size)})
+        state, result = run(state, inputs, labels)
+        return state, _with_position_after(result, start, end, count * size)
 
     return program

@@ -44,7 +44,8 @@ class PlacedState:
         compiled with the old one are stale).
 
     Attributes:
-      placed: the state on the devices (with `rng=None`), or None before there is one.
+      device_state: the state on the devices (with `rng=None`), or None before there is
+        one. Only this object changes it (and `global_step`): `adopt`, `advance`.
       rng: the RNG key the steps are compiled with, or None.
       global_step: optimizer steps taken (a Python int, never read from the device).
       unverified_source: where a state loaded before the first batch came from, until the
@@ -61,7 +62,7 @@ class PlacedState:
         self._optimizer = optimizer
         self._on_new_key = on_new_key
         self._initializers: list[Callable[[TrainState], TrainState]] = []
-        self.placed: TrainState | None = None
+        self.device_state: TrainState | None = None
         self.rng: jax.Array | None = None
         self.global_step = 0
         self.unverified_source: str | None = None
@@ -80,18 +81,18 @@ class PlacedState:
         Raises:
           ReplicaMismatchError: naming the first array and device whose copy differs.
         """
-        if self.placed is None:
+        if self.device_state is None:
             return 0
-        leaves = [("/".join(path), leaf) for path, leaf in tree_paths(self.placed)]
+        leaves = [("/".join(path), leaf) for path, leaf in tree_paths(self.device_state)]
         pmap = self._strategy.name == "pmap"  # its state has a leading device axis
         return check_replicas(leaves, self._strategy.devices, device_axis=pmap)
 
     @property
     def state(self) -> TrainState | None:
         """The whole train state without a device axis, or None; see `Trainer.state`."""
-        if self.placed is None:
+        if self.device_state is None:
             return None
-        state = self._strategy.unplace(self.placed).replace(rng=self.rng)
+        state = self._strategy.unplace(self.device_state).replace(rng=self.rng)
         if isinstance(state.ema_params, PackedAverage):
             state = state.replace(ema_params=unpack_placed(state.ema_params, state.params))
         return state
@@ -100,7 +101,7 @@ class PlacedState:
     def state(self, state: TrainState) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"Trainer.state must be a TrainState, got {type(state).__name__}")
-        if self.placed is not None:
+        if self.device_state is not None:
             expected = jax.tree.structure(self.state)
             if jax.tree.structure(state) != expected:
                 raise ValueError(
@@ -127,8 +128,13 @@ class PlacedState:
         # Without a schedule the rate changes only here (set_learning_rate adopts a state):
         # a log of it then needs no device copy.
         self._constant_learning_rate = constant_learning_rate(host.opt_state)
-        self.placed = self._strategy.place_state(host)
+        self.device_state = self._strategy.place_state(host)
         self.global_step = int(np.asarray(jax.device_get(state.step)))
+
+    def advance(self, state: TrainState, steps: int) -> None:
+        """Takes the placed `state` a train program returned after `steps` optimizer steps."""
+        self.device_state = state
+        self.global_step += steps
 
     def create(self, state: TrainState) -> None:
         """Adopts a newly created `state`, after the initializers have seen it."""
@@ -139,15 +145,15 @@ class PlacedState:
     def add_initializer(self, fn: Callable[[TrainState], TrainState]) -> None:
         """Runs `fn(state) -> state` when the state is created (now, if it exists)."""
         self._initializers.append(fn)
-        state = self.state  # None exactly when `self.placed` is
+        state = self.state  # None exactly when `self.device_state` is
         if state is not None:
             self.state = fn(state)
 
     def replace_train_metrics(self, fresh: dict[str, Any]) -> None:
         """Replaces the train metric states with `fresh` (host) ones, if there is a state."""
-        if self.placed is not None:
-            placed = self._strategy.place_state(fresh)
-            self.placed = self.placed.replace(train_metrics=placed)
+        if self.device_state is not None:
+            metrics = self._strategy.place_state(fresh)
+            self.device_state = self.device_state.replace(train_metrics=metrics)
 
     def state_dict(self) -> dict | None:
         """The train state as nested dicts of host arrays; see `Trainer.state_dict`."""
@@ -186,7 +192,7 @@ class PlacedState:
         if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
             raise ValueError(f"{where} is not a loopax train state: it has no 'params' dict")
         tree = with_ema(tree, steps.config.ema_decay is not None)
-        if self.placed is not None:
+        if self.device_state is not None:
             self.state = from_plain(self.state, tree, where)
             return
         # Shapes only: the tree holds the values (building them would compile tiny programs).
@@ -205,13 +211,13 @@ class PlacedState:
 
     def learning_rate_array(self) -> Any:
         """The live learning rate, or None; see `Trainer.learning_rate_array`."""
-        if self.placed is None:
+        if self.device_state is None:
             return None
         if self._constant_learning_rate is not None:
             return np.float32(self._constant_learning_rate)
-        leaves = jax.tree.leaves(self.placed.opt_state)
+        leaves = jax.tree.leaves(self.device_state.opt_state)
         if self._learning_rate_leaf is None:
-            rate = get_learning_rate(self.placed.opt_state)
+            rate = get_learning_rate(self.device_state.opt_state)
             if rate is None:
                 return None
             # Found once by a walk of the optimizer state; then by position, a few µs: a

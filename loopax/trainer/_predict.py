@@ -63,7 +63,7 @@ class Predictor:
 
     def predict(self, x: Any, *, batch_size: int | None = None, spec: Any = None) -> Any:
         """The model's predictions as numpy, every example once; see `Trainer.predict`."""
-        if self._placed.placed is None and not self._programs.has_start:
+        if self._placed.device_state is None and not self._programs.has_start:
             # (With init_params the first program compiled creates the state from them.)
             raise RuntimeError(
                 "predict needs the model's variables: train a step first, or restore a "

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import jax
 import numpy as np
@@ -30,43 +30,49 @@ if TYPE_CHECKING:
 MICRO_BATCHES = "micro-batches"  # a leading axis only under gradient accumulation
 STEPS = "steps"
 
+# A batch as the programs take it: `(inputs, labels)`, each a list of arrays.
+Batch: TypeAlias = "tuple[list, list]"
+# What a program's arguments come from: a batch, or where an on-device group's batches lie
+# (`TRAIN_STEPS_GATHERED`'s). Each program's `arguments` and `model_inputs` take its kind.
+Source: TypeAlias = "Batch | DeviceChunk"
 
-def _batches(strategy: Strategy, source: Any, leading: int) -> tuple:
+
+def _batches(strategy: Strategy, source: Source, leading: int) -> tuple:
     """`(inputs, labels)` as the program takes them: split on the axis behind `leading`."""
-    inputs, labels = source
+    inputs, labels = cast("Batch", source)
     return strategy.global_batch(inputs, leading), strategy.global_batch(labels, leading)
 
 
-def _inputs(strategy: Strategy, source: Any, leading: int) -> tuple:
+def _inputs(strategy: Strategy, source: Source, leading: int) -> tuple:
     """The inputs alone (predictions take no labels)."""
-    return (strategy.global_batch(source[0], leading),)
+    return (strategy.global_batch(cast("Batch", source)[0], leading),)
 
 
-def _pieces(strategy: Strategy, source: Any, leading: int) -> tuple:
+def _pieces(strategy: Strategy, source: Source, leading: int) -> tuple:
     """An eval batch the local devices do not divide, in the pieces `eval_uneven` takes."""
-    inputs, labels = source
+    inputs, labels = cast("Batch", source)
     pieces = split_uneven_batch(inputs, labels, strategy.local_devices)
     return tuple(strategy.global_batch(piece) for piece in pieces)
 
 
-def _chunk_arrays(strategy: Strategy, source: Any, leading: int) -> tuple:
+def _chunk_arrays(strategy: Strategy, source: Source, leading: int) -> tuple:
     """The devices' arrays and where the group's batches lie in them."""
-    return source.arguments()
+    return cast("DeviceChunk", source).arguments()
 
 
-def _first_batch(strategy: Strategy, source: Any, leading: int) -> list:
+def _first_batch(strategy: Strategy, source: Source, leading: int) -> list:
     """One step's (micro-)batch of inputs, to create the state from."""
-    return [a[(0,) * leading] for a in source[0]]
+    return [a[(0,) * leading] for a in cast("Batch", source)[0]]
 
 
-def _first_piece(strategy: Strategy, source: Any, leading: int) -> list:
+def _first_piece(strategy: Strategy, source: Source, leading: int) -> list:
     """The padded remainder's inputs: one example per local device."""
-    inputs, labels = source
+    inputs, labels = cast("Batch", source)
     return split_uneven_batch(inputs, labels, strategy.local_devices)[0]
 
 
-def _chunk_first_batch(strategy: Strategy, source: Any, leading: int) -> list:
-    return source.first_batch()[0]
+def _chunk_first_batch(strategy: Strategy, source: Source, leading: int) -> list:
+    return cast("DeviceChunk", source).first_batch()[0]
 
 
 def _wrapped(
@@ -75,7 +81,7 @@ def _wrapped(
     steps: StepBuilder,
     spec: Any,
     rng: Any,
-    source: Any,
+    source: Source,
     leading: int,
     sharded: int,
 ) -> Wrapped:
@@ -115,11 +121,11 @@ class Program:
     graph_type: str
     body: Callable[[StepBuilder], Callable[..., Any]]
     sharded: int | None
-    arguments: Callable[[Strategy, Any, int], tuple]
+    arguments: Callable[[Strategy, Source, int], tuple]
     replicated: int = 1
     donate: tuple[int, ...] = ()
     leading_axes: tuple[str, ...] = ()
-    model_inputs: Callable[[Strategy, Any, int], list] = _first_batch
+    model_inputs: Callable[[Strategy, Source, int], list] = _first_batch
     per_example_output: bool = False
     updates_state: bool = False
     split_batch: bool = True
@@ -208,13 +214,13 @@ EVAL_UNEVEN = dataclasses.replace(
 )
 
 
-def _masked(strategy: Strategy, source: Any, leading: int) -> tuple:
+def _masked(strategy: Strategy, source: Source, leading: int) -> tuple:
     """A batch laid out as one shard per device, each all real or all padding.
 
     The third piece says which (`Programs.run_masked` passes the real flags; a program is
     compiled from these, all True, as only their shapes count).
     """
-    inputs, labels = source
+    inputs, labels = cast("Batch", source)
     every = np.ones(strategy.local_devices, bool)
     return tuple(strategy.global_batch(piece) for piece in (inputs, labels, [every]))
 

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -14,11 +14,19 @@ import numpy as np
 from ..data._internal import Dispatch, OnDevice, OneStep, Stacked, as_list, with_count
 from . import _background
 from ._aux import may_return_aux
-from ._creation import Model, StateCreator
+from ._creation import StateCreator, StateRecipe
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
-from ._named import fused_metrics, named_metrics
-from ._program import EVAL_MASKED, STEPS, TRAIN, TRAIN_STEPS, TRAIN_STEPS_GATHERED, Program
+from ._named import StepResult, fused_metrics, named_metrics
+from ._program import (
+    EVAL_MASKED,
+    STEPS,
+    TRAIN,
+    TRAIN_STEPS,
+    TRAIN_STEPS_GATHERED,
+    Program,
+    Source,
+)
 from ._step_config import StepConfig
 from ._steps import StepBuilder
 
@@ -28,19 +36,6 @@ if TYPE_CHECKING:
     from ._placed_state import PlacedState
 
 
-class StepResult(NamedTuple):
-    """What `Trainer.run` returns: the metrics of a dispatch's steps.
-
-    Attributes:
-      last: the last step's metrics, as `train_step` returns them (on the device).
-      stacked: every step's metrics with a leading axis of the steps, or None for a
-        dispatch of one step (its `last` are its own).
-    """
-
-    last: dict[str, Any]
-    stacked: dict[str, Any] | None = None
-
-
 class Programs:
     """Compiles each `Program` once per batch kind, caches it, and runs it on the state.
 
@@ -48,7 +43,7 @@ class Programs:
     model's variables): only a batch shows the variables' shapes (`StateCreator`).
 
     Args:
-      model: what the state is built from.
+      recipe: what the state is built from: the model, its optimizer, seed and start.
       config: the step bodies' configuration.
       placed: the train state the programs run on.
       cache: the compiled programs.
@@ -61,21 +56,21 @@ class Programs:
 
     def __init__(
         self,
-        model: Model,
+        recipe: StateRecipe,
         config: StepConfig,
         placed: PlacedState,
         cache: ExecutorCache,
     ):
-        self._model = model
+        self._recipe = recipe
         self._strategy: Strategy = config.strategy
         self._placed = placed
         self._cache = cache
-        self._creator = StateCreator(model, config.strategy, placed)
+        self._creator = StateCreator(recipe, config.strategy, placed)
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
         # The same host metric objects across configs: they hold the host states. None
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
         self._host_train = config.host_train or None
-        self.steps = StepBuilder(model.adapted, config)
+        self.steps = StepBuilder(recipe.adapted, config)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -104,8 +99,8 @@ class Programs:
         The loss function's auxiliary output names carry over: the loss function is the same.
         """
         config = dataclasses.replace(self.steps.config, **changes)
-        previous, self.steps = self.steps, StepBuilder(self._model.adapted, config)
-        self.steps.aux_names, self.steps.aux_traced = previous.aux_names, previous.aux_traced
+        previous, self.steps = self.steps, StepBuilder(self._recipe.adapted, config)
+        self.steps.carry_aux_names(previous)
         self._cache.clear()
         self._creator.cancel()
 
@@ -123,7 +118,7 @@ class Programs:
     def reset_train_metrics(self) -> None:
         """Resets every train metric's state, the loss's moving average included."""
         self.steps.config.host_train.reset()  # host metrics' states
-        if self._placed.placed is not None:
+        if self._placed.device_state is not None:
             self._placed.replace_train_metrics(self._creator.fresh_train_metrics(self.steps))
 
     def add_exec_handler(self, handler: Callable[[ExecInfo], None]) -> None:
@@ -135,7 +130,7 @@ class Programs:
     @property
     def has_start(self) -> bool:
         """Whether the state, once created, starts from given parameters (`init_params`)."""
-        return self._model.init_params is not None
+        return self._recipe.init_params is not None
 
     def executors(self) -> list[Executor]:
         """The cached compiled programs, least recently used first."""
@@ -143,28 +138,45 @@ class Programs:
 
     # -- running --------------------------------------------------------------------------
 
-    def train_step(self, spec: Any, inputs: Any, labels: Any) -> dict[str, jax.Array]:
-        """Runs `TRAIN` on a batch: one optimizer step; its metrics."""
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._cache.executor(TRAIN, spec, inputs, labels, self._compile_train)
-        placed = self._placed
-        placed.placed, values = executor.run(placed.placed, inputs, labels)
-        placed.global_step += 1
-        return named_metrics(self.metric_names, values, self._host_train)
+    def dispatch(self, dispatch: Dispatch) -> StepResult:
+        """Runs one dispatch of the loop as one compiled call; see `Trainer.run`.
 
-    def train_steps(self, spec: Any, inputs: Any, labels: Any) -> StepResult:
+        The placed state takes the new state and advances its global step by the steps run.
+
+        Raises:
+          TypeError: `dispatch` is none of `OneStep`, `Stacked` and `OnDevice`.
+        """
+        if isinstance(dispatch, OneStep):  # the per-step path, kept to one call here
+            spec, inputs, labels = dispatch
+            inputs = as_list(inputs)
+            labels = as_list(labels)
+            executor = self._cache.executor(TRAIN, spec, inputs, labels, self._compile_train)
+            placed = self._placed
+            state, values = executor.run(placed.device_state, inputs, labels)
+            placed.advance(state, 1)
+            return StepResult(named_metrics(self.metric_names, values, self._host_train))
+        if isinstance(dispatch, Stacked):
+            return self._train_stacked(dispatch)
+        if isinstance(dispatch, OnDevice):
+            return self._train_gathered(dispatch.spec, dispatch.chunk)
+        raise TypeError(
+            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
+            f"{type(dispatch).__name__}"
+        )
+
+    def _train_stacked(self, dispatch: Stacked) -> StepResult:
         """Runs `TRAIN_STEPS` on stacked batches: one step per batch."""
-        inputs = as_list(inputs)
-        labels = as_list(labels)
-        executor = self._cache.executor(TRAIN_STEPS, spec, inputs, labels, self._compile_train)
+        inputs = as_list(dispatch.inputs)
+        labels = as_list(dispatch.labels)
+        executor = self._cache.executor(
+            TRAIN_STEPS, dispatch.spec, inputs, labels, self._compile_train
+        )
         placed = self._placed
-        placed.placed, values = executor.run(placed.placed, inputs, labels)
-        placed.global_step += int(inputs[0].shape[0])
-        stacked, last = fused_metrics(self.metric_names, values, self._host_train)
-        return StepResult(last, stacked)
+        state, values = executor.run(placed.device_state, inputs, labels)
+        placed.advance(state, int(inputs[0].shape[0]))  # the steps its batches stack
+        return fused_metrics(self.metric_names, values, self._host_train)
 
-    def train_gathered(self, spec: Any, chunk: DeviceChunk) -> StepResult:
+    def _train_gathered(self, spec: Any, chunk: DeviceChunk) -> StepResult:
         """Runs `TRAIN_STEPS_GATHERED` on `chunk`'s batches: one step per batch.
 
         Each step slices its batch from the arrays on the devices (shuffled: from the
@@ -179,38 +191,10 @@ class Programs:
             functools.partial(self._compile, chunk=chunk),
         )
         placed = self._placed
-        placed.placed, (stacked, last) = executor.run(placed.placed, *chunk.arguments())
-        chunk.source.advance(chunk.after, last.pop(AFTER))  # where the next group starts
-        placed.global_step += chunk.count
-        values = (stacked, last)
-        stacked, last = fused_metrics(self.metric_names, values, self._host_train)
-        return StepResult(last, stacked)
-
-    def dispatch(
-        self,
-        dispatch: Dispatch,
-        train_step: Callable[..., dict[str, Any]],
-        train_steps: Callable[..., tuple[dict[str, Any], dict[str, Any]]],
-    ) -> StepResult:
-        """Runs one dispatch of the loop as one compiled call; see `Trainer.run`.
-
-        `OneStep` and `Stacked` go through `train_step` and `train_steps`, the Trainer's
-        public methods, so that a subclass or wrapper of them sees every step.
-
-        Raises:
-          TypeError: `dispatch` is none of `OneStep`, `Stacked` and `OnDevice`.
-        """
-        if isinstance(dispatch, OneStep):
-            return StepResult(train_step(*dispatch))
-        if isinstance(dispatch, Stacked):
-            stacked, last = train_steps(dispatch.spec, dispatch.inputs, dispatch.labels)
-            return StepResult(last, stacked)
-        if isinstance(dispatch, OnDevice):
-            return self.train_gathered(dispatch.spec, dispatch.chunk)
-        raise TypeError(
-            "Trainer.run takes a OneStep, Stacked or OnDevice record, got "
-            f"{type(dispatch).__name__}"
-        )
+        state, values = executor.run(placed.device_state, *chunk.arguments())
+        chunk.source.advance(chunk.after, values.last.pop(AFTER))  # where the next group starts
+        placed.advance(state, chunk.count)
+        return fused_metrics(self.metric_names, values, self._host_train)
 
     def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:
         """Runs `program` (not a train program) on a batch; its outputs.
@@ -221,7 +205,7 @@ class Programs:
         build = functools.partial(self._compile, states=states) if states else self._compile
         executor = self._cache.executor(program, spec, inputs, labels, build)
         arguments = program.arguments(self._strategy, (inputs, labels), 0)
-        return executor.run(self._placed.placed, *states, *arguments)
+        return executor.run(self._placed.device_state, *states, *arguments)
 
     def run_masked(
         self, spec: Any, inputs: list, labels: list, valid: np.ndarray, states: Any
@@ -237,7 +221,7 @@ class Programs:
         )
         strategy = self._strategy
         pieces = (inputs, labels, [valid])
-        return executor.run(self._placed.placed, states, *map(strategy.global_batch, pieces))
+        return executor.run(self._placed.device_state, states, *map(strategy.global_batch, pieces))
 
     # -- compiling ------------------------------------------------------------------------
 
@@ -251,7 +235,7 @@ class Programs:
         if not strategy.compiles_ahead:
             return
         program, (inputs, labels), chunk = _program_of(dispatch)
-        source = (inputs, labels) if chunk is None else chunk
+        source: Source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))
         try:
             self._creator.prepare(
@@ -364,7 +348,7 @@ class Programs:
     ) -> tuple[Any, ExecInfo, float]:
         """`program` lowered for the batch; its description (no costs yet) and the seconds taken."""
         strategy = self._strategy
-        source = (inputs, labels) if chunk is None else chunk
+        source: Source = (inputs, labels) if chunk is None else chunk
         leading = len(program.axes(self._cache.accumulating))  # axes before the batch axis
         self._creator.prepare(
             self.steps, spec, lambda: program.model_inputs(strategy, source, leading)
@@ -374,8 +358,7 @@ class Programs:
         arguments = program.arguments(strategy, source, leading)
         sharded = len(arguments) if program.sharded is None else program.sharded
         run = program.wrap(program, strategy, self.steps, spec, rng, source, leading, sharded)
-        self.steps.traced_prediction_shapes = None  # a trace JAX took from its cache sets none
-        lowered = run.lower(state, *states, *arguments)
+        lowered, prediction_shapes = self.steps.lower(run, state, *states, *arguments)
         info = ExecInfo(
             graph_type=program.graph_type,
             spec=spec,
@@ -384,7 +367,7 @@ class Programs:
             label_shapes=tuple(tuple(a.shape) for a in labels),
             label_dtypes=tuple(str(a.dtype) for a in labels),
             compile_seconds=0.0,
-            prediction_shapes=self.steps.traced_prediction_shapes or (),
+            prediction_shapes=prediction_shapes,
         )
         return lowered, info, time.perf_counter() - started
 

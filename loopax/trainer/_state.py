@@ -17,6 +17,7 @@ import numpy as np
 
 from ..metrics._internal import LossMovingAverage
 from ._packed import PackedAverage, unpack
+from ._precision import OVERFLOW_COUNT
 
 
 @flax.struct.dataclass
@@ -99,7 +100,7 @@ def skipped_steps(state: TrainState) -> Any:
 
 def overflow_steps(state: TrainState) -> Any:
     """The dynamic loss scale's count of overflow skips (a float32 scalar), or None."""
-    return None if state.loss_scale is None else state.loss_scale[2]
+    return None if state.loss_scale is None else state.loss_scale[OVERFLOW_COUNT]
 
 
 _LOSS_AVERAGE_PATH = ("train_metrics", LossMovingAverage.name)

@@ -17,8 +17,11 @@ from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._models import explained_model_errors
+from ._named import StepResult
 from ._packed import averaged
 from ._precision import (
+    OVERFLOW_COUNT,
+    SCALE,
     all_finite,
     cast_floating,
     fresh_dynamic_scale,
@@ -93,6 +96,19 @@ class StepBuilder:
         # The predictions' shapes the loss got when a body was last traced (a side effect of
         # tracing, free at run time): what `ExecInfo.prediction_shapes` reports.
         self.traced_prediction_shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def carry_aux_names(self, previous: StepBuilder) -> None:
+        """Takes `previous`'s loss aux names as traced: the loss function is the same."""
+        self.aux_names, self.aux_traced = previous.aux_names, previous.aux_traced
+
+    def lower(self, run: Any, *arguments: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+        """`run` (a jitted body of these steps) lowered for `arguments`; its predictions' shapes.
+
+        The shapes are those the trace gave the loss; () when JAX took the trace from its cache.
+        """
+        self.traced_prediction_shapes = None  # a trace JAX took from its cache sets none
+        lowered = run.lower(*arguments)
+        return lowered, self.traced_prediction_shapes or ()
 
     def _train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
@@ -279,7 +295,7 @@ class StepBuilder:
         config = self.config
         scale = None
         if config.dynamic_scale:
-            scale = state.loss_scale[0]
+            scale = state.loss_scale[SCALE]
         elif config.loss_scale is not None:
             scale = jnp.float32(config.loss_scale)
         if config.accumulate:
@@ -344,9 +360,9 @@ class StepBuilder:
         if config.reports_skips:
             values[SKIPPED_STEPS] = self.loss_average.skipped(loss_average)
         if config.dynamic_scale:  # of the skips, the overflows, since training began
-            values[OVERFLOW_STEPS] = loss_scale[2]
+            values[OVERFLOW_STEPS] = loss_scale[OVERFLOW_COUNT]
         if config.loss_scale is not None:  # the scale the next step uses
-            values[LOSS_SCALE] = loss_scale[0] if config.dynamic_scale else scale
+            values[LOSS_SCALE] = loss_scale[SCALE] if config.dynamic_scale else scale
         values.update(norms)
         values.update(aux)
         # Host metrics' step values, returned unread (a skipped step's are left out).
@@ -367,16 +383,20 @@ class StepBuilder:
         )
         return new_state, values
 
-    def train_steps(self, spec, rng, state: TrainState, inputs, labels):
+    def train_steps(
+        self, spec, rng, state: TrainState, inputs, labels
+    ) -> tuple[TrainState, StepResult]:
         """Per-device: `train` over the leading steps axis of `inputs`/`labels`, in one scan.
 
-        Returns the new state and `(stacked, last)`, by metric name: the compiled metrics'
-        values of every step (a leading steps axis), and the last step's values, in which
-        a host metric's step values are those of all the steps folded into one.
+        Returns the new state and a `StepResult` by metric name: `last`, the last step's
+        values, in which a host metric's step values are those of all the steps folded into
+        one, and `stacked`, the compiled metrics' values of every step (a leading steps axis).
         """
         return self.scan_steps(spec, rng, state, (list(inputs), list(labels)), lambda xs: xs)
 
-    def scan_steps(self, spec, rng, state: TrainState, xs: Any, batch_of: Callable) -> tuple:
+    def scan_steps(
+        self, spec, rng, state: TrainState, xs: Any, batch_of: Callable
+    ) -> tuple[TrainState, StepResult]:
         """Per-device: `train` on `batch_of(x) -> (inputs, labels)` for each step's `x` of `xs`.
 
         One `lax.scan` over the leading axis of `xs`; returns as `train_steps`.
@@ -392,4 +412,4 @@ class StepBuilder:
         for metric in self.config.host_train.metrics:
             # A host metric's StepValues of every step, folded into one step's.
             last[metric.name] = values[metric.name].of_micro_batches()
-        return state, (stacked, last)
+        return state, StepResult(last, stacked)

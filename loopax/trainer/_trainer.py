@@ -11,20 +11,21 @@ import optax
 
 from .._validate import positive_int
 from ..data import Dataset
-from ..data._internal import Dispatch
+from ..data._internal import Dispatch, OneStep, Stacked, as_list
 from ._context import ModelFn
-from ._creation import Model
+from ._creation import StateRecipe
 from ._evaluation import Evaluator
 from ._executors import ExecInfo, Executor, ExecutorCache
 from ._host_metrics import HostMetrics
 from ._layout import sharding_report
 from ._mesh import choose_strategy
 from ._models import adapt
+from ._named import StepResult
 from ._parallel import Device
 from ._placed_state import PlacedState
 from ._precision import check_compute_dtype, check_loss_scale, dtype_name
 from ._predict import Predictor
-from ._programs import Programs, StepResult
+from ._programs import Programs
 from ._state import TrainState
 from ._summary import parameter_summary
 from ._trainer_args import (
@@ -121,7 +122,7 @@ class Trainer:
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
         check_mesh_context(strategy.mesh)
-        adapted = self._model = adapt(model, strategy.axis_name, strategy.annotates)
+        adapted = self._adapted = adapt(model, strategy.axis_name, strategy.annotates)
         check_callables(loss_fn, optimizer)
         self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)
         dtype = check_compute_dtype(compute_dtype)
@@ -139,8 +140,8 @@ class Trainer:
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
-        model_record = Model(model, adapted, optimizer, seed, start)
-        self._programs = Programs(model_record, config, self._placed, cache)
+        recipe = StateRecipe(model, adapted, optimizer, seed, start)
+        self._programs = Programs(recipe, config, self._placed, cache)
         names = self.eval_metric_names = self._programs.steps.eval_keys
         self._evaluator = Evaluator(self._programs, strategy, names, config.host_eval)
         self._predictor = Predictor(self._programs, self._placed, strategy)
@@ -362,7 +363,7 @@ class Trainer:
         Raises:
           TypeError: the trainer's model is not an NNX module.
         """
-        return self._placed.nnx_module(self._model, self.model)
+        return self._placed.nnx_module(self._adapted, self.model)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -382,7 +383,7 @@ class Trainer:
             device count, the spec used before with another number of inputs/labels, or
             (accumulating) arrays without a common leading axis of micro-batches.
         """
-        return self._programs.train_step(spec, inputs, labels)
+        return self.run(OneStep(spec, inputs, labels)).last
 
     def train_steps(
         self, spec: Any, inputs: Any, labels: Any
@@ -396,13 +397,15 @@ class Trainer:
 
         Returns:
           `(stacked, last)`: every train metric with a leading axis of the n steps, and the
-          last step's metrics as `train_step` returns them. A host metric's entry is the
-          same in both: its value after the n steps.
+          last step's metrics as `train_step` returns them (`run`'s `StepResult`, in this
+          method's documented order). A host metric's entry is the same in both: its value
+          after the n steps.
 
         Raises:
           ValueError: arrays without a common leading steps axis; otherwise as `train_step`.
         """
-        result = self._programs.train_steps(spec, inputs, labels)
+        inputs, labels = as_list(inputs), as_list(labels)
+        result = self.run(Stacked(_leading_length(inputs), spec, inputs, labels))
         return cast("dict[str, Any]", result.stacked), result.last  # n steps: never None
 
     def compile_ahead(self, dispatch: Dispatch, counts: Iterable[int]) -> None:
@@ -420,10 +423,12 @@ class Trainer:
         return not strategy.multi_process and list(devices) == list(strategy.devices)
 
     def run(self, dispatch: Dispatch) -> StepResult:
-        """Runs one dispatch of the loop as one compiled call.
+        """Runs one dispatch of the loop as one compiled call: every train step's one entry.
 
-        `OneStep` runs `train_step`, `Stacked` `train_steps`, and `OnDevice` a fused program
-        taking each step's batch from the devices' arrays itself.
+        `OneStep` runs one optimizer step, `Stacked` fused steps on stacked batches, and
+        `OnDevice` fused steps that take each step's batch from the devices' arrays
+        themselves. `train_step` and `train_steps` run through here too, so a subclass or
+        wrapper of `run` sees every step, the Loop's and those called by hand.
 
         Returns:
           The `StepResult` of the dispatch's `dispatch.count` optimizer steps.
@@ -432,7 +437,7 @@ class Trainer:
           TypeError: `dispatch` is none of the three records, or as `train_step`.
           ValueError: as `train_step` and `train_steps`.
         """
-        return self._programs.dispatch(dispatch, self.train_step, self.train_steps)
+        return self._programs.dispatch(dispatch)
 
     def reset_eval_metrics(self) -> None:
         """Resets the running eval metrics (evaluate() does this at its start)."""
@@ -511,3 +516,12 @@ class Trainer:
             f"Trainer(global_step={self.global_step}, devices={self.num_devices}, "
             f"parallel={self.parallel!r}, executors={len(self.executors())})"
         )
+
+
+def _leading_length(arrays: list[Any]) -> int:
+    """The length of the first array's leading axis (`train_steps`' n), or 0 for no array.
+
+    No more than that: the batch check, before anything runs, names what is wrong.
+    """
+    shape = getattr(arrays[0], "shape", ()) if arrays else ()
+    return int(shape[0]) if shape else 0

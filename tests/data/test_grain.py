@@ -82,13 +82,14 @@ def record_batches(trainer):
     """Makes `trainer` record each train batch it steps on (its first input's first column,
     which names its examples); returns the list it fills."""
     seen = []
-    train_step = type(trainer).train_step.__get__(trainer)
+    run = type(trainer).run.__get__(trainer)
 
-    def recording_step(spec, inputs, labels):
-        seen.append(np.asarray(inputs[0])[:, 0].tolist())
-        return train_step(spec, inputs, labels)
+    def recording_run(dispatch):  # every step goes through `run`, one dispatch each here
+        assert dispatch.count == 1
+        seen.append(np.asarray(dispatch.inputs[0])[:, 0].tolist())
+        return run(dispatch)
 
-    trainer.train_step = recording_step
+    trainer.run = recording_run
     return seen
 
 
@@ -121,7 +122,7 @@ def fresh_trainer():
             loopax.Loop(trainer).run_steps(make_source("map"), 1)
             compiled[devices] = trainer, initial[0]
         trainer, initial = compiled[devices]
-        trainer.__dict__.pop("train_step", None)  # a recording step of an earlier test
+        trainer.__dict__.pop("run", None)  # a recording run of an earlier test
         trainer.state = jax.tree.map(np.array, initial)
         assert trainer.global_step == 0
         return trainer

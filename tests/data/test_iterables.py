@@ -44,7 +44,7 @@ def compiled_trainer():
 @pytest.fixture
 def trainer(compiled_trainer):
     trainer, initial = compiled_trainer
-    trainer.__dict__.pop("train_step", None)
+    trainer.__dict__.pop("run", None)
     trainer.state = jax.tree.map(np.array, initial)
     return trainer
 
@@ -53,13 +53,14 @@ def trainer(compiled_trainer):
 def seen(trainer):
     """The batches the trainer steps on, each as its number."""
     steps = []
-    train_step = type(trainer).train_step.__get__(trainer)
+    run = type(trainer).run.__get__(trainer)
 
-    def recording_step(spec, inputs, labels):
-        steps.append(int(np.asarray(inputs[0])[0, 0]))
-        return train_step(spec, inputs, labels)
+    def recording_run(dispatch):  # every step goes through `run`, one dispatch each here
+        assert dispatch.count == 1
+        steps.append(int(np.asarray(dispatch.inputs[0])[0, 0]))
+        return run(dispatch)
 
-    trainer.train_step = recording_step
+    trainer.run = recording_run
     return steps
 
 

@@ -76,7 +76,7 @@ def test_a_corrupted_shard_of_a_replicated_parameter_is_named():
     loopax.Loop(trainer).run_steps(make_data(), 2)
     assert trainer.check_replicas() > 0
     # One device's copy of the kernel altered in one element by one unit in the last place.
-    placed = trainer._placed.placed  # the arrays the compiled step runs on
+    placed = trainer._placed.device_state  # the arrays the compiled step runs on
     kernel = placed.params["Dense_1"]["kernel"]
     copies = []
     for shard in sorted(kernel.addressable_shards, key=lambda s: DEVICES.index(s.device)):
@@ -86,7 +86,7 @@ def test_a_corrupted_shard_of_a_replicated_parameter_is_named():
         copies.append(jax.device_put(value, shard.device))
     corrupted = jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, copies)
     params = {**placed.params, "Dense_1": {**placed.params["Dense_1"], "kernel": corrupted}}
-    trainer._placed.placed = placed.replace(params=params)
+    trainer._placed.device_state = placed.replace(params=params)
     with pytest.raises(loopax.ReplicaMismatchError) as raised:
         trainer.check_replicas()
     # (Flax numbers the outer Dense first: Dense_1 is the (4, 8) kernel.)

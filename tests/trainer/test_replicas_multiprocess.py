@@ -62,7 +62,7 @@ def run(one_device):
     if one_device:
         return result
     # One ulp changed in the copy of a replicated kernel on process 1's second device.
-    placed = trainer._placed.placed
+    placed = trainer._placed.device_state
     kernel = placed.params["Dense_0"]["kernel"]
     target = jax.devices()[3]
     copies = []
@@ -73,7 +73,7 @@ def run(one_device):
         copies.append(jax.device_put(value, shard.device))
     corrupted = jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, copies)
     params = {"Dense_0": {**placed.params["Dense_0"], "kernel": corrupted}}
-    trainer._placed.placed = placed.replace(params=params)
+    trainer._placed.device_state = placed.replace(params=params)
     try:
         trainer.check_replicas()
     except loopax.ReplicaMismatchError as error:

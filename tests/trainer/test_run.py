@@ -74,3 +74,61 @@ def test_anything_else_is_refused_with_its_type():
     with pytest.raises(TypeError, match="OneStep, Stacked or OnDevice record, got tuple"):
         trainer.run((None, [x[0]], [y[0]]))
     assert trainer.global_step == 0
+
+
+def recording_run(trainer):
+    """Wraps `trainer.run`: returns the list of `(kind, count)` of each dispatch it runs."""
+    seen = []
+    run = type(trainer).run.__get__(trainer)
+
+    def wrapped(dispatch):
+        seen.append((type(dispatch).__name__, dispatch.count))
+        return run(dispatch)
+
+    trainer.run = wrapped
+    return seen
+
+
+def test_a_wrapper_of_run_sees_every_step_by_hand_and_the_loops():
+    x, y = batches(4)
+    trainer, _ = new_trainer()
+    seen = recording_run(trainer)
+    trainer.train_step(None, [x[0]], [y[0]])
+    trainer.train_steps(None, [x[:2]], [y[:2]])
+    loopax.Loop(trainer).run_steps([(x[i], y[i]) for i in range(2)], 2)
+    loopax.Loop(trainer, steps_per_execution=4).run_steps([(x[i], y[i]) for i in range(4)], 4)
+    assert seen == [("OneStep", 1), ("Stacked", 2), ("OneStep", 1), ("OneStep", 1), ("Stacked", 4)]
+    assert trainer.global_step == sum(count for _, count in seen) == 9
+
+
+def test_train_steps_keeps_its_stacked_then_last_order_and_counts_its_steps():
+    x, y = batches(3)
+    trainer, _ = new_trainer()
+    stacked, last = trainer.train_steps(None, [x], [y])  # the documented order
+    assert np.shape(stacked["loss"]) == (3,) and np.shape(last["loss"]) == ()
+    assert list(stacked) == list(last) == list(trainer.train_metric_names)
+    assert trainer.global_step == 3
+    one, _ = new_trainer()
+    stacked, last = one.train_steps(None, [x[:1]], [y[:1]])  # n = 1 is n steps too
+    assert np.shape(stacked["loss"]) == (1,) and one.global_step == 1
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error", "match"),
+    [
+        ([], ValueError, "at least one input is required"),
+        (["not an array"], TypeError, "inputs.0. for spec None is a str, not an array"),
+        ([np.float32(1)], ValueError, r"shape \(steps, batch, ...\)"),
+        (
+            [np.ones((3, 4, 3), np.float32)],
+            ValueError,
+            r"mixes leading steps sizes \[\(2,\), \(3,\)\]",
+        ),
+    ],
+)
+def test_train_steps_refuses_a_bad_batch_before_taking_a_step(inputs, error, match):
+    trainer, compiled = new_trainer()
+    _, y = batches(2)
+    with pytest.raises(error, match=match):
+        trainer.train_steps(None, inputs, [y])
+    assert trainer.global_step == 0 and compiled == []
