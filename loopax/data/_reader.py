@@ -44,7 +44,10 @@ class OneStep(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stacked:
-    """`count` (> 1) steps' batches stacked on a leading steps axis, run in one program."""
+    """`count` steps' batches stacked on a leading steps axis, run in one program.
+
+    The Loop stacks groups of two or more; `Trainer.train_steps` also stacks one.
+    """
 
     count: int
     spec: Any
