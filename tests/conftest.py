@@ -32,6 +32,15 @@ if ACCELERATOR:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 else:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    # XLA's CPU backend hands its code to LLVM at -O0 unless told otherwise: over half the
+    # suite's CPU is compiling, and the tests check what a step computes (compared within
+    # one run, never against this machine's figures), not how fast LLVM made it. Inherited by
+    # the workers and every process a test starts, so they compute alike.
+    # LOOPAX_TESTS_XLA_OPT=default keeps XLA's own level (CI leaves it unset).
+    if os.environ.get("LOOPAX_TESTS_XLA_OPT") != "default" and (
+        "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+    ):
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # One JAX compilation cache for the whole run: the controller makes it before the xdist
 # workers start, and they and every subprocess a test starts inherit it, so a program
