@@ -25,23 +25,15 @@ PHASES = (
 _logger = logging.getLogger("loopax")
 
 
-class HookOwner(Protocol):
+class HookOwner(RunInfo, Protocol):
     """The loop whose hooks a `HookRegistry` runs, as the registry sees it (a `Loop` is one).
 
-    Where its run stands (a `RunInfo`: the first four), for the schedules; `trainer`, for
-    the global step a hook's error names; `check_finite()`, called before a hook registered
-    with `check_finite` runs (it may roll back, and so halt the phase). Every hook receives
-    it as its first argument.
+    Where its run stands (a `RunInfo`), for the schedules; `trainer`, for the global step a
+    hook's error names; `check_finite()`, called before a hook registered with
+    `check_finite` runs (it may roll back, and so halt the phase). Every hook receives it as
+    its first argument.
     """
 
-    @property
-    def start_step(self) -> int: ...
-    @property
-    def end_step(self) -> int: ...
-    @property
-    def loop_step(self) -> int: ...
-    @property
-    def epoch(self) -> int: ...
     @property
     def trainer(self) -> Any: ...
     def check_finite(self) -> None: ...

@@ -198,14 +198,18 @@ def regression_dataset(on_device, devices):
     )
 
 
-def train(on_device, devices, steps=15, accumulate_steps=1):
-    trainer = loopax.Trainer(
+def regression_trainer(devices, accumulate_steps=1):
+    return loopax.Trainer(
         model_fn,
         loopax.losses.mean_squared_error,
         optax.sgd(0.05),
         devices=devices,
         accumulate_steps=accumulate_steps,
     )
+
+
+def train(on_device, devices, steps=15, accumulate_steps=1):
+    trainer = regression_trainer(devices, accumulate_steps)
     loop = loopax.Loop(trainer)
     dataset = regression_dataset(on_device, devices)
     metrics = loop.run_steps(dataset, steps)
@@ -243,13 +247,7 @@ def test_accumulated_micro_batches_across_epoch_ends_match_host_dataset(
     labels = inputs @ np.array([[1.0], [-2.0], [0.5]], np.float32)
     results = []
     for on_device in (False, True):
-        trainer = loopax.Trainer(
-            model_fn,
-            loopax.losses.mean_squared_error,
-            optax.sgd(0.05),
-            devices=devices,
-            accumulate_steps=accumulate_steps,
-        )
+        trainer = regression_trainer(devices, accumulate_steps)
         dataset = loopax.ArrayDataset(
             inputs,
             labels,
@@ -283,13 +281,7 @@ def test_accumulating_a_smaller_last_batch_fails_as_on_the_host():
     inputs = np.arange(EXAMPLES * 3, dtype=np.float32).reshape(EXAMPLES, 3)
     errors = []
     for on_device in (False, True):
-        trainer = loopax.Trainer(
-            model_fn,
-            loopax.losses.mean_squared_error,
-            optax.sgd(0.05),
-            devices=devices,
-            accumulate_steps=2,
-        )
+        trainer = regression_trainer(devices, accumulate_steps=2)
         # 10 examples in batches of 4: the third has 2, which the second step cannot stack
         # with the next epoch's first.
         dataset = loopax.ArrayDataset(
