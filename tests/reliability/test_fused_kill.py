@@ -90,6 +90,21 @@ def scenarios(tmp_path_factory):
     }
 
 
+def longest_group(start, steps_per_execution):
+    """The longest fused group a run from `start` to TARGET makes: groups end where the
+    worker's hooks fire (every 48 and every 40 steps) and hold a power of two of steps, at
+    most K. A run resumed from 96 has 24-step stretches (16 + 8), one from 48 a 32-step one.
+    """
+    ends = {step for step in range(start + 1, TARGET + 1) if step % 48 == 0 or step % 40 == 0}
+    edges = sorted({start, TARGET} | ends)
+    stretch = max(b - a for a, b in zip(edges, edges[1:], strict=False))
+    return min(steps_per_execution, 1 << (stretch.bit_length() - 1))
+
+
+def test_longest_group_follows_the_hooks():
+    assert [longest_group(start, 32) for start in (0, 48, 96)] == [32, 32, 16]
+
+
 def outputs(run_dir):
     with np.load(run_dir / "params.npz") as saved:
         params = {name: saved[name] for name in saved.files}
@@ -113,7 +128,8 @@ def test_a_killed_fused_run_resumes_to_the_uninterrupted_result(scenarios, name)
     assert (None if resumed == "None" else int(resumed)) in resumable, last_stdout
     assert f"done at step {TARGET}" in last_stdout
     if runs[-1][0] == 32:
-        assert "longest group 32" in last_stdout
+        start = 0 if resumed == "None" else int(resumed)
+        assert f"longest group {longest_group(start, 32)}" in last_stdout, last_stdout
 
     want_params, want_history, want_rows = outputs(scenarios[REFERENCE][0])
     params, history, rows = outputs(run_dir)
