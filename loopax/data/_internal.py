@@ -14,6 +14,7 @@ from ._datasets import shown_name as shown_name
 from ._device_data import DeviceChunk as DeviceChunk
 from ._epoch_rows import Reading as Reading
 from ._epoch_rows import rows_at as rows_at
+from ._epoch_rows import rows_of as rows_of
 from ._iterables import RunIterable as RunIterable
 from ._iterables import check_restartable as check_restartable
 from ._iterables import evaluation_dataset as evaluation_dataset
@@ -48,6 +49,7 @@ __all__ = [
     "read_batches",
     "reads_a_copy",
     "rows_at",
+    "rows_of",
     "shown_name",
     "with_count",
 ]

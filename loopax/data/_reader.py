@@ -256,6 +256,19 @@ def _read_on_device(dataset: ArrayDataset, n: int) -> tuple[list[Dispatch], bool
     return chunks, ended
 
 
+def _read_on_device_step(dataset: ArrayDataset) -> tuple[list[Dispatch], bool]:
+    """The next step of an on-device `ArrayDataset`, left on the devices (one `OnDevice`).
+
+    Read as `yield_batch` reads it (from the epoch's permuted copy, if it makes one), but
+    by the Trainer's step program itself: one call a step.
+    """
+    (chunk,), _ = dataset.device_steps(1)
+    epoch = chunk.source.epoch
+    return [
+        OnDevice(dataset.spec, dataclasses.replace(chunk, epoch=epoch, next_epoch=epoch))
+    ], False
+
+
 def _batches_up_to(dataset: Any, read: Callable[[], Any], n: int) -> tuple[list[Batch], bool]:
     """Up to n batches of `read()`, checked, and whether the dataset ended before n.
 
@@ -295,8 +308,10 @@ class StepReader:
 
     A step's batch is one `yield_batch()`, or `accumulate_steps` of them stacked. With
     `steps_per_read=1` a read is one `OneStep` of the batch as the dataset yielded it
-    (nothing is chunked or copied: the per-step path); else the steps are chunked as the
-    module says.
+    (nothing is chunked or copied: the per-step path), or for an on-device `ArrayDataset`
+    on the Trainer's devices one `OnDevice` step that the Trainer's program reads itself
+    (one program call a step, where a gather would be a call of its own); else the steps
+    are chunked as the module says.
 
     Args:
       dataset: the `Dataset` to read.
@@ -337,11 +352,17 @@ class StepReader:
         self.read: Callable[[int], tuple[list[Dispatch], bool]]
         devices = dataset.devices if isinstance(dataset, ArrayDataset) else None
         yield_batches = getattr(dataset, "yield_batches", None)
-        if steps_per_read == 1:
+        on_devices = devices is not None and gathers_on is not None and gathers_on(devices)
+        # Per step: the step's program takes its batch itself (one call a step), unless a
+        # subclass yields its batches otherwise.
+        own_batches = on_devices and type(dataset).yield_batch is ArrayDataset.yield_batch
+        if steps_per_read == 1 and accumulate_steps == 1 and own_batches:
+            self.read = lambda n: _read_on_device_step(dataset)
+        elif steps_per_read == 1:
             self.read = one_step
         elif accumulate_steps != 1 or yield_batches is None:
             self.read = lambda n: _read_batches(dataset, read_step, n)
-        elif devices is not None and gathers_on is not None and gathers_on(devices):
+        elif on_devices:
             self.read = lambda n: _read_on_device(dataset, n)
         else:
             self.read = lambda n: _read_stacked(dataset, yield_batches, n)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._devices import AXIS
-from ..data._internal import Reading, rows_at
+from ..data._internal import Reading, rows_at, rows_of
 from ._named import StepResult
 
 # The key of the position after a group, beside the last step's metrics; not a metric:
@@ -62,19 +62,43 @@ def gathering_steps(
     but that slice is left inside the loop, whose body XLA:GPU launches once per step
     (before, each step computed its rows' positions, and sliced both epochs' copies and
     selected one, inside the loop). The cost is one gather kernel per array per group and
-    the group's rows in memory once more. The result takes
-    `(state, *DeviceChunk.arguments())`, all replicated.
+    the group's rows in memory once more. A group of one step (the per-step Loop's steps)
+    reads its rows as `DeviceArrays.gather` does (a slice of the epoch's permuted copy or
+    of the arrays in order, or the rows the permutation names; `_step_rows`), runs the
+    step without a loop, and returns no stacked metrics (`StepResult.stacked` None, as a
+    single step's): one program a step, where the gather was a program of its own. The
+    result takes `(state, *DeviceChunk.arguments())`, all replicated.
     """
     local = size // num_devices
 
     def program(state, lying, start, end):
+        steps = jnp.arange(count, dtype=jnp.int32)
+        if count == 1:  # one step: its rows, as the per-step read takes them, no loop
+            batch = _step_rows(reading, lying, start + lax.axis_index(AXIS) * local, end, local)
+            state, result = scan_steps(state, steps, lambda _: batch, unroll=True)
+            # one step's metrics are its last: no stacked copy to return
+            return state, _with_position_after(result._replace(stacked=None), start, end, size)
         positions = _group_positions(start, count, size, lax.axis_index(AXIS) * local, local)
         inputs, labels = rows_at(reading, lying, positions.reshape(-1), end)
-        steps = jnp.arange(count, dtype=jnp.int32)
         state, result = scan_steps(state, steps, _slicing(inputs, labels, local))
         return state, _with_position_after(result, start, end, count * size)
 
     return program
+
+
+def _step_rows(
+    reading: Reading, lying: dict, first: jax.Array, end: jax.Array, local: int
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """One step's `local` rows from epoch position `first`, as `DeviceArrays.gather` reads.
+
+    A slice of the arrays (in order, or the epoch's permuted copy), or the rows the
+    epochs' permutations name.
+    """
+    inputs, labels = lying["inputs"], lying["labels"]
+    order = lying.get("order") if reading is Reading.GATHER else None
+    next_order = lying.get("next_order") if reading is Reading.GATHER else None
+    rows = rows_of([*inputs, *labels], order, next_order, first, end, local)
+    return rows[: len(inputs)], rows[len(inputs) :]
 
 
 def _slicing(inputs: list, labels: list, local: int) -> Callable[[jax.Array], tuple]:

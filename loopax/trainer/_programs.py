@@ -194,6 +194,8 @@ class Programs:
         state, values = executor.run(placed.device_state, *chunk.arguments())
         chunk.source.advance(chunk.after, values.last.pop(AFTER))  # where the next group starts
         placed.advance(state, chunk.count)
+        if values.stacked is None:  # one step (see `gathering_steps`)
+            return StepResult(named_metrics(self.metric_names, values.last, self._host_train))
         return fused_metrics(self.metric_names, values, self._host_train)
 
     def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:

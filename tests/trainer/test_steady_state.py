@@ -96,6 +96,41 @@ def test_steps_across_epochs_in_order_copy_nothing_to_the_devices(k):
     assert data.get_state()["epoch"] == 4
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"shuffle": True}, {"shuffle": True, "shuffled_copy": False}, {"shuffle": False}],
+    ids=["permuted copy", "gathered rows", "in order"],
+)
+def test_a_per_step_run_on_device_makes_one_program_call_a_step(options):
+    # On an accelerator each call of a compiled program is host time and kernel launches:
+    # a step's program reads its own batch from the devices' arrays (no gather program
+    # before it, through the dataset's `yield_batch`), as fused groups do.
+    loop = new_loop(1)
+    data = dataset(**options)
+    loop.run_steps(data, 8)  # warm-up: compiles
+    calls = {"programs": 0, "dataset reads": 0}
+
+    def counted(run):
+        def counting(*args):
+            calls["programs"] += 1
+            return run(*args)
+
+        return counting
+
+    for executor in loop.trainer.executors():
+        executor.run = counted(executor.run)
+    yield_batch = data.yield_batch
+
+    def read():
+        calls["dataset reads"] += 1
+        return yield_batch()
+
+    data.yield_batch = read
+    loop.run_steps(data, 16)  # steps 9-24, within the first epoch
+    assert calls == {"programs": 16, "dataset reads": 0}
+    assert loop.trainer.global_step == 24 and data.get_state()["position"] == 24 * BATCH
+
+
 def test_a_copy_from_the_host_inside_a_run_is_what_the_guard_catches():
     # The check can fail: a batch from host numpy arrays is a copy to the devices.
     loop = new_loop(1)
@@ -126,3 +161,55 @@ def test_per_step_and_fused_runs_on_device_equal_the_host_dataset_after_epochs()
         params, state = train(k, on_device)
         assert state == host_state
         jax.tree.map(np.testing.assert_array_equal, params, host_params)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"shuffle": True}, {"shuffle": True, "shuffled_copy": False}, {"shuffle": False}],
+    ids=["permuted copy", "gathered rows", "in order"],
+)
+def test_per_step_runs_on_device_equal_the_host_dataset_with_a_short_last_batch(options):
+    # Each step's program reads its own batch however the epoch lies, the short last
+    # batch of an epoch (another program) included: the host dataset's steps, bit for bit.
+    def train(on_device):
+        loop = new_loop(1)
+        rng = np.random.default_rng(1)
+        inputs = rng.normal(size=(EXAMPLES + 4, 3)).astype(np.float32)
+        host_options = {k: v for k, v in options.items() if k != "shuffled_copy"}
+        data = loopax.ArrayDataset(
+            inputs,
+            inputs[:, :1] * 0.5,
+            BATCH,
+            seed=6,
+            loop_forever=True,
+            drop_remainder=False,
+            on_device=on_device,
+            **(options if on_device else host_options),
+        )
+        metrics = loop.run_steps(data, 70)  # two epochs of 33 batches, and 4 steps
+        return jax.device_get(loop.trainer.params), float(metrics["loss"]), data.get_state()
+
+    host_params, host_loss, host_state = train(False)
+    params, loss, state = train(True)
+    assert state == host_state
+    assert loss == host_loss
+    jax.tree.map(np.testing.assert_array_equal, params, host_params)
+
+
+def test_a_subclass_yielding_its_own_batches_is_read_through_them():
+    # A subclass's `yield_batch` is how its batches come: the per-step Loop calls it.
+    class Doubled(loopax.ArrayDataset):
+        def yield_batch(self):
+            spec, inputs, labels = super().yield_batch()
+            return spec, [a * 2.0 for a in inputs], labels
+
+    def train(cls):
+        loop = new_loop(1)
+        rng = np.random.default_rng(2)
+        inputs = rng.normal(size=(EXAMPLES, 3)).astype(np.float32)
+        data = cls(inputs, inputs[:, :1], BATCH, seed=3, loop_forever=True, on_device=True)
+        loop.run_steps(data, 5)
+        return jax.device_get(loop.trainer.params)
+
+    doubled, plain = train(Doubled), train(loopax.ArrayDataset)
+    assert not np.array_equal(doubled["Dense_0"]["kernel"], plain["Dense_0"]["kernel"])
