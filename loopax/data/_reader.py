@@ -433,12 +433,7 @@ def _stacked_reader(dataset: ArrayDataset, count: int) -> Callable[[], Batch]:
             taken += piece[1][0].shape[0]
         if len(pieces) == 1:
             return pieces[0]
-        spec, inputs, labels = pieces[0]
-        return (
-            spec,
-            [join_arrays([p[1][i] for p in pieces], stack=False) for i in range(len(inputs))],
-            [join_arrays([p[2][i] for p in pieces], stack=False) for i in range(len(labels))],
-        )
+        return (pieces[0][0], *_joined(pieces, stack=False))
 
     return read
 

@@ -32,23 +32,21 @@ class AheadCompiles:
         self._steps_per_execution = steps_per_execution
         self._group_stop = -1  # the group stop the sizes were last asked up to
         self._asked: set[int] = set()
-        self._first = True  # no group started yet
-        self._own = True  # the next request also takes its group's own size (the second)
+        self._requests = 0  # groups that started a stretch, the first included
 
     def before_group(self, dispatches: list[Dispatch], first: int, group_stop: int) -> None:
         """Before the group of `dispatches`, from step `first`, in steps before `group_stop`."""
         if group_stop == self._group_stop:  # every group but a stretch's first: nothing to ask
             return
         now = {dispatch.count for dispatch in dispatches}
-        if self._first:  # the first group: its own program alone (it compiles it)
-            self._first = False
+        self._requests += 1
+        if self._requests == 1:  # the first group: its own program alone (it compiles it)
             self._asked |= now
             return
         self._group_stop = group_stop
         sizes = group_sizes(group_stop - first, self._steps_per_execution)
         # The second group's own size, when new, is compiled beside the others (it waits).
-        wanted = sizes - self._asked - (set() if self._own else now)
-        self._own = False
+        wanted = sizes - self._asked - (set() if self._requests == 2 else now)
         self._asked |= sizes | now
         if wanted:
             self._trainer.compile_ahead(dispatches[0], sorted(wanted, reverse=True))

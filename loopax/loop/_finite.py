@@ -86,7 +86,7 @@ class FiniteChecker:
     def __init__(self) -> None:
         self.checked_through = -1  # the newest loop step known to be finite (or handled)
         self.handler: NonFiniteHandler | None = None
-        self._indicator = MOVING_AVERAGE_LOSS
+        self._sentinel_metric = MOVING_AVERAGE_LOSS
         self._skipped_seen = 0.0
         self._overflows = False  # whether the steps report `overflow_steps`
         self._overflows_seen = 0.0
@@ -100,11 +100,11 @@ class FiniteChecker:
 
     def start_run(self, trainer: Any, start_step: int) -> None:
         """A run starts at `start_step` with freshly reset train metrics."""
-        self._indicator = (
+        self._sentinel_metric = (
             SKIPPED_STEPS if trainer.skipping_non_finite_steps else MOVING_AVERAGE_LOSS
         )
         self._skipped_seen = 0.0
-        self._overflows = self._indicator == SKIPPED_STEPS and trainer.loss_scale == "dynamic"
+        self._overflows = self._sentinel_metric == SKIPPED_STEPS and trainer.loss_scale == "dynamic"
         # Counted since training began (kept with the loss scale), not since this run.
         self._overflows_seen = self._overflows_in(trainer.state)
         self.checked_through = start_step - 1
@@ -130,7 +130,7 @@ class FiniteChecker:
         The loss's moving average, or while the trainer skips non-finite steps the count
         of skipped steps (see the class).
         """
-        return self._indicator
+        return self._sentinel_metric
 
     def set_handler(self, handler: NonFiniteHandler | None) -> None:
         """Hands the skipped steps to `handler(loop, steps)` instead of a warning; None: warn."""
@@ -145,8 +145,8 @@ class FiniteChecker:
         """
         self.raise_failure()
         newest_step = window[-1].last_step
-        value = _as_float(window[-1].metrics[self._indicator])
-        if self._indicator == MOVING_AVERAGE_LOSS:
+        value = _as_float(window[-1].metrics[self._sentinel_metric])
+        if self._sentinel_metric == MOVING_AVERAGE_LOSS:
             if not math.isfinite(value):
                 self._raise_first(loop, window, value)
         elif value != self._skipped_seen:

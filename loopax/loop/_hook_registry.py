@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from .. import _validate
 from ._finite import NonFiniteLossError
-from ._hook import NEVER, Hook, HookError, Metrics, Priority, RunInfo, Schedule
+from ._hook import NEVER, Hook, HookError, Metrics, Priority, Schedule
 
 PHASES = (
     "OnStart",
@@ -25,15 +25,23 @@ PHASES = (
 _logger = logging.getLogger("loopax")
 
 
-class HookOwner(RunInfo, Protocol):
+class HookOwner(Protocol):
     """The loop whose hooks a `HookRegistry` runs, as the registry sees it (a `Loop` is one).
 
-    Where its run stands (a `RunInfo`), for the schedules; `trainer`, for the global step a
-    hook's error names; `check_finite()`, called before a hook registered with
-    `check_finite` runs (it may roll back, and so halt the phase). Every hook receives it as
-    its first argument.
+    Where its run stands (the first four: a `RunInfo`), for the schedules; `trainer`, for
+    the global step a hook's error names; `check_finite()`, called before a hook registered
+    with `check_finite` runs (it may roll back, and so halt the phase). Every hook receives
+    it as its first argument.
     """
 
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def end_step(self) -> int: ...
+    @property
+    def loop_step(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
     @property
     def trainer(self) -> Any: ...
     def check_finite(self) -> None: ...
@@ -69,8 +77,7 @@ class HookRegistry:
     """
 
     def __init__(self, loop: HookOwner) -> None:
-        self._owner = loop
-        self._run: RunInfo = loop
+        self._owner = loop  # also where the run stands (a `RunInfo`)
         self._trainer = loop.trainer
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
@@ -133,7 +140,7 @@ class HookRegistry:
         if when is not None:
             self.add_state(name, hook)
             if self.scheduling:  # registered during a run's steps: schedule it from here
-                when.start_run(self._run)
+                when.start_run(self._owner)
                 self.reschedule()
         return hook
 
@@ -190,7 +197,7 @@ class HookRegistry:
         From now until `end_steps`, a schedule registered (by a hook) starts at once.
         """
         for schedule in self._schedules():
-            schedule.start_run(self._run)
+            schedule.start_run(self._owner)
         self.reschedule()
         self.scheduling = True
 
@@ -201,7 +208,7 @@ class HookRegistry:
     def restart_schedules(self) -> None:
         """The run went back to an earlier step: every schedule restarts from there."""
         for schedule in self._schedules():
-            schedule.restart(self._run)
+            schedule.restart(self._owner)
         self.reschedule()
 
     def _step_scheduled(self) -> Iterator[Hook]:
@@ -210,11 +217,11 @@ class HookRegistry:
 
     def reschedule(self) -> None:
         """Asks every step schedule for its next step from the current one."""
-        step = self._run.loop_step
+        step = self._owner.loop_step
         for hook in self._step_scheduled():
             schedule = hook.schedule
             assert schedule is not None, "a hook not asked every step has a schedule"
-            hook.next = schedule.next_step(self._run, step)
+            hook.next = schedule.next_step(self._owner, step)
         self._set_wake_steps()
 
     def _set_wake_steps(self) -> None:
@@ -240,7 +247,7 @@ class HookRegistry:
         except NonFiniteLossError:
             raise
         except Exception as err:
-            raise self._error(hook.phase, hook.name, self._run.loop_step, err) from err
+            raise self._error(hook.phase, hook.name, self._owner.loop_step, err) from err
 
     def _visit(self, hook: Hook, argument: Any, step: int) -> None:
         """Calls `hook` if its schedule (if any) fires at `step`."""
@@ -248,7 +255,7 @@ class HookRegistry:
         if schedule is None:
             self._call(hook, argument)
             return
-        run = self._run
+        run = self._owner
         if not schedule.checks_every_step:
             if hook.next > step:
                 return
@@ -287,7 +294,7 @@ class HookRegistry:
 
     def run_phase(self, phase: str, argument: Any) -> None:
         """Runs the hooks of `phase` due now, with `argument`."""
-        step = self._run.loop_step
+        step = self._owner.loop_step
         for hook in self._hooks[phase]:
             self._visit(hook, argument, step)
 
@@ -298,7 +305,7 @@ class HookRegistry:
             try:
                 waiter = hook.fn(self._owner, None)
             except Exception as err:
-                raise self._error("OnFlush", hook.name, self._run.loop_step, err) from err
+                raise self._error("OnFlush", hook.name, self._owner.loop_step, err) from err
             if callable(waiter):
                 waiters.append(waiter)
 
