@@ -11,6 +11,7 @@ import pytest
 from _tiny import tiny_arrays, tiny_batch, tiny_data, tiny_trainer
 
 import loopax
+from loopax.hooks._run_summary import run_summary
 
 
 def programs_dumped(directory):
@@ -123,3 +124,10 @@ def test_numpy_scalars_become_python_values_and_the_options_are_read_only():
     assert "xla_dump_to" not in trainer.compiler_options
     with pytest.raises(TypeError):
         trainer.compiler_options["xla_dump_to"] = "d"  # pyright: ignore[reportIndexIssue]
+
+
+def test_the_run_summary_shows_the_options():
+    # The summary that hooks.tensorboard and hooks.mlflow log.
+    summary = run_summary(tiny_trainer(compiler_options={"xla_gpu_autotune_level": 1}), [])
+    assert "**compiler options:** `xla_gpu_autotune_level=1`" in summary
+    assert "compiler options" not in run_summary(tiny_trainer(), [])
