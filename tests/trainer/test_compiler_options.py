@@ -1,11 +1,13 @@
 """`Trainer(compiler_options=...)`: XLA compiles every program of the trainer with them, and
 with nothing else; XLA's refusal of one names it; bad types fail at construction."""
 
+import collections
+import contextlib
 import os
 import re
+import threading
 
 import jax
-import jax._src.test_util as jax_test_util
 import numpy as np
 import pytest
 from _tiny import tiny_arrays, tiny_batch, tiny_data, tiny_trainer
@@ -60,18 +62,43 @@ def test_every_program_compiles_with_the_options_of_its_trainer_only(tmp_path):
     assert sorted(os.listdir(dump)) == files
 
 
+@contextlib.contextmanager
+def cache_lookups():
+    """The persistent cache's lookups and hits on this thread, counted by JAX's events.
+
+    The train program compiles on the calling thread; another test's compiling left running
+    in the background is not counted.
+    """
+    counts = collections.Counter()
+    thread = threading.get_ident()
+
+    def listener(event, **kwargs):
+        if threading.get_ident() == thread:
+            counts[event] += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+LOOKUPS = "/jax/compilation_cache/compile_requests_use_cache"
+HITS = "/jax/compilation_cache/cache_hits"
+
+
 def test_the_options_are_part_of_the_persistent_cache_key():
     # A GPU option: on a CPU it changes no result, only the key (tests/conftest.py keeps one
     # persistent cache for the run, and min compile time 0 keeps every program in it).
     options = {"xla_gpu_autotune_level": 1}
     batch = tiny_batch()
     tiny_trainer().train_step(*batch)  # compiled or loaded: in the cache now
-    with jax_test_util.count_compilation_after_persistent_cache_miss() as compiled:
+    with cache_lookups() as first:
         tiny_trainer(compiler_options=options).train_step(*batch)
-    assert compiled() >= 1  # not the programs compiled without the option
-    with jax_test_util.count_compilation_after_persistent_cache_miss() as compiled:
+    assert first[LOOKUPS] == 1 and first[HITS] == 0  # not the program compiled without them
+    with cache_lookups() as again:
         tiny_trainer(compiler_options=options).train_step(*batch)
-    assert compiled() == 0  # the same options: loaded
+    assert again[LOOKUPS] == again[HITS] == 1  # the same options: loaded
 
 
 @pytest.mark.parametrize(
