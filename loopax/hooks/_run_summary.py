@@ -1,4 +1,4 @@
-"""The run summary (`run/summary`): command line, devices, the model's variables."""
+"""The run summary (`run/summary`): command line, devices, XLA options, the model's variables."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def _variables_table(tree: Any, title: str, column: str) -> list[str]:
 def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
     """A Markdown summary of the run: command line, devices, and the model's variables.
 
+    The trainer's `compiler_options`, when it has any, follow the devices.
+
     The parameters' count, bytes and shapes, then, when the model has any, its other
     variables' (the mutable collections, e.g. BatchNorm's `batch_stats/...`), each path
     starting with its collection, as bobbin's environment info lists them. Reads only
@@ -66,6 +68,10 @@ def run_summary(trainer: Trainer, argv: list[str] | None = None) -> str:
         f"**devices:** {len(devices)} ({', '.join(kinds)}; {trainer.parallel}, "
         f"{jax.process_count()} process(es))",
     ]
+    options = trainer.compiler_options
+    if options:
+        given = ", ".join(f"`{key}={value!r}`" for key, value in options.items())
+        lines += ["", f"**compiler options:** {given}"]
     state = trainer.state
     if state is not None and state.params is not None:
         lines += _variables_table(state.params, "parameters", "parameter")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _background
+from ._compiler_options import compile_lowered
 from ._models import no_parameters_message
 from ._packed import pack_abstract, worth_packing
 from ._state import TrainState, from_plain, to_plain
@@ -244,7 +245,8 @@ class StateCreator:
         ):
             out = out.replace(ema_params=pack_abstract(out.ema_params))
         abstract = self._strategy.abstract_placed(out)
-        compiled = _background.submit(lowered.compile)
+        options = steps.config.options
+        compiled = _background.submit(lambda: compile_lowered(lowered, options))
         return PendingState(compiled, arguments, abstract, rng, given_state)
 
     def _build_state(self, steps: StepBuilder, variables: dict, rng: Any, start: Any) -> TrainState:
@@ -261,7 +263,7 @@ class StateCreator:
             opt_state=self._recipe.optimizer.init(params),
             model_state=variables,
             rng=rng,
-            train_metrics=steps.fresh_train_metrics(),
+            train_metrics=steps.initial_train_metrics(),  # in the creation program
             loss_scale=steps.fresh_loss_scale(),
             # The average starts at the initial parameters (a copy: its own buffers).
             ema_params=None if steps.config.ema_decay is None else jax.tree.map(jnp.copy, params),

@@ -25,6 +25,8 @@ from ._named import StepResult
 # The key of the position after a group, beside the last step's metrics; not a metric:
 # the Trainer takes it out before any metric is named (`Programs._train_gathered`).
 AFTER = "loopax:position_after"
+# The fused programs' name (`jit(train_steps_gathered)`), as `TRAIN_STEPS_GATHERED` names them.
+NAME = "train_steps_gathered"
 
 
 def position_after(start: jax.Array, end: jax.Array, rows: int) -> jax.Array:
@@ -83,6 +85,7 @@ def gathering_steps(
         state, result = scan_steps(state, steps, _slicing(inputs, labels, local))
         return state, _with_position_after(result, start, end, count * size)
 
+    program.__name__ = NAME  # in dumps, profiles and compilation logs
     return program
 
 
@@ -141,4 +144,5 @@ def gathering(
         state, result = run(state, inputs, labels)
         return state, _with_position_after(result, start, end, count * size)
 
+    program.__name__ = NAME
     return program

@@ -14,6 +14,7 @@ import numpy as np
 from ..data._internal import Dispatch, OnDevice, OneStep, Stacked, as_list, with_count
 from . import _background
 from ._aux import may_return_aux
+from ._compiler_options import compile_lowered
 from ._creation import StateCreator, StateRecipe
 from ._executors import ExecInfo, Executor, ExecutorCache, Pending
 from ._gather import AFTER
@@ -299,7 +300,7 @@ class Programs:
         try:
             lowered, info, lowering = self._lower(program, spec, inputs, labels, states, chunk)
             started = time.perf_counter()
-            compiled = lowered.compile()
+            compiled = compile_lowered(lowered, self.steps.config.options)
         except BaseException:
             self._creator.abandon()
             raise
@@ -322,10 +323,11 @@ class Programs:
         """`_compile`, with the compiling done in the background; lowered here and now."""
         lowered, info, lowering = self._lower(program, spec, inputs, labels, (), chunk)
         costs = self._costs(program, inputs)
+        options = self.steps.config.options
 
         def compile_in_background() -> tuple[Any, float, dict]:
             started = time.perf_counter()
-            compiled = lowered.compile()
+            compiled = compile_lowered(lowered, options)
             return compiled, time.perf_counter() - started, costs(compiled)
 
         future = _background.submit(compile_in_background)

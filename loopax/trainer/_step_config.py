@@ -45,6 +45,8 @@ class StepConfig:
       ema_decay: keep `TrainState.ema_params`, the parameters' exponential moving average
         with this decay; None: none.
       log_grad_norm: the train step also returns `"grad_norm"` and `"update_norm"`.
+      compiler_options: the XLA options every program compiles with (`Trainer`'s
+        `compiler_options`, checked), as `(name, value)` pairs; () for none.
     """
 
     loss_fn: LossFn | None
@@ -63,6 +65,12 @@ class StepConfig:
     loss_scale: float | str | None = None
     ema_decay: float | None = None
     log_grad_norm: bool = False
+    compiler_options: tuple[tuple[str, bool | int | float | str], ...] = ()
+
+    @property
+    def options(self) -> dict[str, bool | int | float | str]:
+        """`compiler_options` as the dict `jax.stages.Lowered.compile` takes."""
+        return dict(self.compiler_options)
 
     @property
     def dynamic_scale(self) -> bool:

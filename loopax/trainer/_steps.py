@@ -15,6 +15,7 @@ import optax
 from ..metrics._internal import LossMovingAverage, zero_mean_state
 from ._aux import aux_names, aux_outputs, global_norm
 from ._collectives import Collectives
+from ._compiler_options import jit
 from ._eval_steps import MEAN_LOSS, EvalBodies
 from ._models import explained_model_errors
 from ._named import StepResult
@@ -89,9 +90,14 @@ class StepBuilder:
             *(m.name for m in config.train_metrics),
         )
         # Compiled, each into one small program: run op by op, every metric's `init` would
-        # compile a program per operation at a process's first run and evaluation.
-        self.fresh_train_metrics: Callable[[], dict[str, Any]] = jax.jit(self._train_metrics)
-        self.fresh_eval_metrics: Callable[[], dict[str, Any]] = jax.jit(self._eval_metrics)
+        # compile a program per operation at a process's first run and evaluation. Called
+        # outside a trace only (JAX refuses compiler options on a nested jit): a program
+        # builds the states with `initial_train_metrics`.
+        options = config.options
+        self.fresh_train_metrics: Callable[[], dict[str, Any]] = jit(
+            self.initial_train_metrics, options
+        )
+        self.fresh_eval_metrics: Callable[[], dict[str, Any]] = jit(self._eval_metrics, options)
         self.evaluation = EvalBodies(self)  # the eval and predict bodies
         # The predictions' shapes the loss got when a body was last traced (a side effect of
         # tracing, free at run time): what `ExecInfo.prediction_shapes` reports.
@@ -110,7 +116,7 @@ class StepBuilder:
         lowered = run.lower(*arguments)
         return lowered, self.traced_prediction_shapes or ()
 
-    def _train_metrics(self) -> dict[str, Any]:
+    def initial_train_metrics(self) -> dict[str, Any]:
         """The train metric states before any step, by name: the loss average, the user's."""
         return {
             MOVING_AVERAGE_LOSS: self.loss_average.init(),

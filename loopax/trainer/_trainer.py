@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -12,6 +12,7 @@ import optax
 from .._validate import positive_int
 from ..data import Dataset
 from ..data._internal import Dispatch, OneStep, Stacked, as_list
+from ._compiler_options import OptionValue, check_compiler_options
 from ._context import ModelFn
 from ._creation import StateRecipe
 from ._evaluation import Evaluator
@@ -77,13 +78,22 @@ class Trainer:
         `ema_params` reads, checkpoints keep and evaluation and prediction use (the evaluation
         guide). None: none.
       log_grad_norm: add train metrics `"grad_norm"` and `"update_norm"` (global L2 norms).
+      compiler_options: XLA options every program of this trainer compiles with (train
+        steps, fused groups, evaluation, prediction, the state's creation): XLA's
+        `DebugOptions` fields by name, the flags `XLA_FLAGS` takes without the leading `--`,
+        each a bool, int, float or str, as `jax.stages.Lowered.compile(compiler_options=)`
+        takes them. E.g. `{"xla_gpu_autotune_level": 1}` (a small model compiles faster on a
+        GPU) or `{"xla_dump_to": directory}` (XLA writes each program there). They are part
+        of the persistent compilation cache's key (the dump options excepted). None: none.
 
     Raises:
       TypeError: the model is none of the above (e.g. `model(inputs)`), loss_fn not callable,
-        optimizer not an optax transformation, or a metric not following the Metric protocol.
+        optimizer not an optax transformation, a metric not following the Metric protocol, or
+        `compiler_options` not a mapping of str to bool, int, float or str.
       ValueError: duplicate metric names, an argument out of range (naming it), a mesh context
         other than its mesh; at the first step: no trainable parameters, `init_params` not
-        fitting the model (naming the first differing entry and both shapes), an unmatched rule.
+        fitting the model (naming the first differing entry and both shapes), an unmatched rule,
+        a compiler option XLA does not know or a value of the wrong type (naming it).
 
     Example:
       >>> import numpy as np, optax, flax.linen as nn
@@ -119,11 +129,13 @@ class Trainer:
         fsdp: bool = False,
         ema_decay: float | None = None,
         log_grad_norm: bool = False,
+        compiler_options: Mapping[str, OptionValue] | None = None,
     ):
         strategy = self._strategy = choose_strategy(parallel, devices, mesh, rules, fsdp)
         check_mesh_context(strategy.mesh)
         adapted = self._adapted = adapt(model, strategy.axis_name, strategy.annotates)
         check_callables(loss_fn, optimizer)
+        self._compiler_options = check_compiler_options(compiler_options)
         self.accumulate_steps = positive_int("accumulate_steps", accumulate_steps)
         dtype = check_compute_dtype(compute_dtype)
         self.compute_dtype = dtype_name(dtype)
@@ -136,7 +148,8 @@ class Trainer:
         self.seed = seed
         config = step_config(loss_fn, optimizer, self.train_metrics, self.eval_metrics,
                              strategy, self.accumulate_steps, dtype, self.loss_scale,
-                             self.ema_decay, log_grad_norm)  # fmt: skip
+                             self.ema_decay, log_grad_norm,
+                             tuple(self._compiler_options.items()))  # fmt: skip
         cache = ExecutorCache(max_executors, strategy.local_devices, self.accumulate_steps)
         self._placed = PlacedState(strategy, optimizer, on_new_key=cache.clear)
         start = None if init_params is None else jax.tree.map(np.asarray, init_params)
@@ -145,6 +158,19 @@ class Trainer:
         names = self.eval_metric_names = self._programs.steps.eval_keys
         self._evaluator = Evaluator(self._programs, strategy, names, config.host_eval)
         self._predictor = Predictor(self._programs, self._placed, strategy)
+
+    @property
+    def compiler_options(self) -> Mapping[str, OptionValue]:
+        """The XLA options every program of this trainer compiles with (read-only; see `Trainer`).
+
+        Example:
+          >>> import optax, flax.linen as nn
+          >>> trainer = Trainer(lambda ctx, spec, x: nn.Dense(1)(x[0]), None, optax.sgd(0.1),
+          ...     devices=jax.devices()[:1], compiler_options={"xla_gpu_autotune_level": 1})
+          >>> dict(trainer.compiler_options)
+          {'xla_gpu_autotune_level': 1}
+        """
+        return self._compiler_options
 
     @property
     def global_step(self) -> int:
@@ -512,9 +538,11 @@ class Trainer:
         return self._predictor.predict(x, batch_size=batch_size, spec=spec)
 
     def __repr__(self) -> str:
+        options = self._compiler_options
         return (
             f"Trainer(global_step={self.global_step}, devices={self.num_devices}, "
-            f"parallel={self.parallel!r}, executors={len(self.executors())})"
+            f"parallel={self.parallel!r}, executors={len(self.executors())}"
+            + (f", compiler_options={dict(options)!r})" if options else ")")
         )
 
 

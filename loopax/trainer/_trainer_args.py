@@ -98,6 +98,7 @@ def step_config(
     loss_scale: Any,
     ema_decay: float | None,
     log_grad_norm: bool = False,
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> StepConfig:
     """The step bodies' first config; host metrics (`HostMetric`) split from compiled ones.
 
@@ -121,6 +122,7 @@ def step_config(
         loss_scale=loss_scale,
         ema_decay=ema_decay,
         log_grad_norm=check_flag("log_grad_norm", log_grad_norm),
+        compiler_options=compiler_options,
     )
 
 

@@ -78,7 +78,7 @@ class CompileLog:
 
 def train_program(name):
     # One step, stacked steps, steps gathering their batches on the device.
-    return name in ("jit(train)", "jit(train_steps)", "jit(program)")
+    return name in ("jit(train)", "jit(train_steps)", "jit(train_steps_gathered)")
 
 
 @pytest.mark.parametrize("on_device", [True, False], ids=["on-device", "host-batches"])
