@@ -73,6 +73,9 @@ class HookRegistry:
       wake_step: the next step at which a step-scheduled OnStep hook may fire.
       exact_wake_step: the next step at which a hook fires by steps, not by the clock;
         fused groups end there.
+      call_step: the first step at which `step_hooks` has anything to do: `wake_step`,
+        or 0 while an OnStep hook is visited after every step. Before it the runner
+        need not call `step_hooks` at all.
       after_hooks: what `defer` deferred, run by `run_after_hooks`.
     """
 
@@ -92,6 +95,7 @@ class HookRegistry:
         self.scheduling = False
         self.wake_step = NEVER
         self.exact_wake_step = NEVER
+        self.call_step = NEVER
         self.after_hooks: list[Callable[[], None]] = []
 
     # -- registration ---------------------------------------------------------------------
@@ -145,6 +149,7 @@ class HookRegistry:
             self._exact = [
                 h for h in self._scheduled if h.schedule is not None and not h.schedule.time_based
             ]
+            self.call_step = 0 if self._every_step else self.wake_step
         if when is not None:
             self.add_state(name, hook)
             if self.scheduling:  # registered during a run's steps: schedule it from here
@@ -238,6 +243,7 @@ class HookRegistry:
             if hook.next < exact:
                 exact = hook.next
         self.wake_step, self.exact_wake_step = wake, exact
+        self.call_step = 0 if self._every_step else wake
 
     # -- dispatch -------------------------------------------------------------------------
 

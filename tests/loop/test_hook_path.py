@@ -90,3 +90,33 @@ def test_readme_hooks_cost_quiet_steps_few_calls(tmp_path, steps_per_execution):
             f"the README's hooks add {per_group:.2f} Python calls a fused group of "
             f"{steps_per_execution} where none fires; at most {EXTRA_CALLS_PER_GROUP} expected"
         )
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 8])
+def test_hooks_dispatched_only_at_steps_one_is_due(tmp_path, steps_per_execution):
+    # A loop with no hook, then one with a hook every 50 steps: the hook dispatch (the
+    # registry's `step_hooks`) is entered only at the steps a hook fires at, not at every step.
+    fired = []
+    for every in (None, 50):
+        trainer = tiny_trainer()
+        loop = Loop(trainer, steps_per_execution=steps_per_execution)
+        if every is not None:
+            hooks.every_n_steps(
+                loop, every, "x", lambda loop, metrics: fired.append(loop.loop_step)
+            )
+        data = tiny_data(shuffle=False, on_device=True, devices=trainer.devices)
+        loop.run_steps(data, FIRST_RUN)
+        entered: list[int] = []
+
+        def profile(frame, event, arg, loop=loop, entered=entered):
+            if event == "call" and frame.f_code.co_name == "step_hooks":
+                entered.append(loop.loop_step)
+
+        sys.setprofile(profile)
+        try:
+            loop.run_steps(data, COUNTED_RUN)
+        finally:
+            sys.setprofile(None)
+        expected = [] if every is None else [249, 299, 349, 399]
+        assert entered == expected
+    assert fired[-4:] == [249, 299, 349, 399]
