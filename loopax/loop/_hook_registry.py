@@ -73,6 +73,9 @@ class HookRegistry:
       wake_step: the next step at which a step-scheduled OnStep hook may fire.
       exact_wake_step: the next step at which a hook fires by steps, not by the clock;
         fused groups end there.
+      call_step: the first step at which `step_hooks` has anything to do: `wake_step`,
+        or 0 while an OnStep hook is visited after every step. Before it the runner
+        need not call `step_hooks` at all.
       after_hooks: what `defer` deferred, run by `run_after_hooks`.
     """
 
@@ -82,12 +85,17 @@ class HookRegistry:
         self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
         self._order = itertools.count()
         self._every_step: list[Hook] = []  # OnStep hooks visited after every step
+        # The OnStep hooks whose schedule names its next step (`hook.next`), in run order,
+        # and those of them that fire at set steps (no clock): the wake steps' minima.
+        self._scheduled: list[Hook] = []
+        self._exact: list[Hook] = []
         self._states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
         self.halted = False
         self.scheduling = False
         self.wake_step = NEVER
         self.exact_wake_step = NEVER
+        self.call_step = NEVER
         self.after_hooks: list[Callable[[], None]] = []
 
     # -- registration ---------------------------------------------------------------------
@@ -137,6 +145,11 @@ class HookRegistry:
         self._hooks[phase] = hooks
         if phase == "OnStep":
             self._every_step = [h for h in hooks if h.every_step]
+            self._scheduled = [h for h in hooks if not h.every_step]
+            self._exact = [
+                h for h in self._scheduled if h.schedule is not None and not h.schedule.time_based
+            ]
+            self.call_step = 0 if self._every_step else self.wake_step
         if when is not None:
             self.add_state(name, hook)
             if self.scheduling:  # registered during a run's steps: schedule it from here
@@ -211,26 +224,26 @@ class HookRegistry:
             schedule.restart(self._owner)
         self.reschedule()
 
-    def _step_scheduled(self) -> Iterator[Hook]:
-        """The OnStep hooks whose schedule names its next step (not asked every step)."""
-        return (h for h in self._hooks["OnStep"] if not h.every_step)
-
     def reschedule(self) -> None:
         """Asks every step schedule for its next step from the current one."""
         step = self._owner.loop_step
-        for hook in self._step_scheduled():
+        for hook in self._scheduled:
             schedule = hook.schedule
             assert schedule is not None, "a hook not asked every step has a schedule"
             hook.next = schedule.next_step(self._owner, step)
         self._set_wake_steps()
 
     def _set_wake_steps(self) -> None:
-        hooks = list(self._step_scheduled())
-        self.wake_step = min((h.next for h in hooks), default=NEVER)
-        self.exact_wake_step = min(
-            (h.next for h in hooks if h.schedule is not None and not h.schedule.time_based),
-            default=NEVER,
-        )
+        # Plain loops over lists kept at registration: this runs at every wake step.
+        wake = exact = NEVER
+        for hook in self._scheduled:
+            if hook.next < wake:
+                wake = hook.next
+        for hook in self._exact:
+            if hook.next < exact:
+                exact = hook.next
+        self.wake_step, self.exact_wake_step = wake, exact
+        self.call_step = 0 if self._every_step else wake
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -273,7 +286,10 @@ class HookRegistry:
             for hook in self._hooks["OnStep"]:
                 if self.halted:
                     return
-                self._visit(hook, metrics, step)
+                # `next` stays 0 for a hook asked every step: only the step-scheduled ones
+                # not due yet are passed over, with one comparison and no call.
+                if hook.next <= step:
+                    self._visit(hook, metrics, step)
             self._set_wake_steps()
         else:
             owner = self._owner

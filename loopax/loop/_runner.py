@@ -430,7 +430,8 @@ class Runner:
                         stop_step = stop.agreed_stop_step(last, stop_step)
                 if not hooks.halted:
                     self.loop_step = last
-                    hooks.step_hooks(metrics, last)
+                    if last >= hooks.call_step:  # else no hook is due: not even a call
+                        hooks.step_hooks(metrics, last)
                     if hooks.after_hooks:
                         self._run_after_hooks()
                 record_duration((clock() - started) / count)
