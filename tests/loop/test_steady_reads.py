@@ -84,12 +84,12 @@ class DeviceAsks:
 
         def counted_block(array):
             if self.active:
-                self._record("wait")
+                self.record("wait")
             return block(array)
 
         def counted_batched(arrays):
             if self.active:
-                self._record("wait")
+                self.record("wait")
             return batched(arrays)
 
         def counted_start(array):
@@ -98,7 +98,7 @@ class DeviceAsks:
                     self._batch += 1
                 self._batch_of.setdefault(id(array), self._batch)
                 self._kept.append(array)
-                self._record("start")
+                self.record("start")
             return start(array)
 
         monkeypatch.setattr(ARRAY, "_value", property(counted_value))
@@ -106,7 +106,8 @@ class DeviceAsks:
         monkeypatch.setattr(ARRAY, "copy_to_host_async", counted_start)
         monkeypatch.setattr(xla_client, "batched_block_until_ready", counted_batched)
 
-    def _record(self, kind):
+    def record(self, kind):
+        """Records an event of `kind` asked now."""
         self._last = kind
         self.events.append((kind, _site()))
 
@@ -116,7 +117,7 @@ class DeviceAsks:
             self.reads += 1  # its own copy and wait, or the first read of a started group
             if batch is not None:
                 self._read_batches.add(batch)
-            self._record("read")
+            self.record("read")
 
     def count(self, kind):
         return sum(1 for event, _ in self.events if event == kind)
@@ -162,7 +163,7 @@ def record_dispatches(loop, asks):
     def recorded(run):
         def recording(*args):
             if asks.active:
-                asks.events.append(("dispatch", ""))
+                asks.record("dispatch")
             return run(*args)
 
         return recording
