@@ -59,8 +59,11 @@ class DeviceAsks:
     """Records the waits, the copies started and the reads of device arrays, in order.
 
     Attributes:
-      events: `(kind, site)` in order, kind one of "wait", "start", "read"; site is the
-        loopax frame that asked (`file:line function`), for the failure messages.
+      events: `(kind, site)` in order, kind one of "wait", "start", "read", "dispatch"
+        (`record_dispatches`) and "drain" (after the "wait" for an output of the newest
+        dispatch); site is the loopax frame that asked (`file:line function`), for the
+        failure messages.
+      reads: the reads counted as above.
     """
 
     def __init__(self, monkeypatch):
@@ -72,6 +75,8 @@ class DeviceAsks:
         self._last = None
         self.reads = 0
         self.active = False
+        self.newest: set[int] = set()  # ids of the newest dispatch's outputs (see below)
+        self._newest_kept: list = []
         value = ARRAY._value
         block = ARRAY.block_until_ready
         start = ARRAY.copy_to_host_async
@@ -85,6 +90,8 @@ class DeviceAsks:
         def counted_block(array):
             if self.active:
                 self.record("wait")
+                if id(array) in self.newest:  # the newest step: the queue drains
+                    self.record("drain")
             return block(array)
 
         def counted_batched(arrays):
@@ -105,6 +112,11 @@ class DeviceAsks:
         monkeypatch.setattr(ARRAY, "block_until_ready", counted_block)
         monkeypatch.setattr(ARRAY, "copy_to_host_async", counted_start)
         monkeypatch.setattr(xla_client, "batched_block_until_ready", counted_batched)
+
+    def newest_outputs(self, outputs):
+        """The outputs of the newest dispatch: a wait for one of them drains the queue."""
+        self._newest_kept = [x for x in jax.tree.leaves(outputs) if isinstance(x, ARRAY)]
+        self.newest = {id(x) for x in self._newest_kept}
 
     def record(self, kind):
         """Records an event of `kind` asked now."""
@@ -162,9 +174,11 @@ def record_dispatches(loop, asks):
 
     def recorded(run):
         def recording(*args):
+            result = run(*args)
             if asks.active:
                 asks.record("dispatch")
-            return run(*args)
+                asks.newest_outputs(result)
+            return result
 
         return recording
 
@@ -212,8 +226,10 @@ def test_a_bare_run_reads_only_its_check_where_it_waits(asks, k, on_device):
     assert asks.count("start") == 0, asks.sites("start")
     assert 1 <= asks.reads <= waits, asks.sites("read")
     # Waits only where the bound forces one (for the older half of the steps in flight)
-    # and at the run's end: never one a dispatch.
+    # and at the run's end: never one a dispatch, and none for the newest step (which
+    # would leave the device nothing queued) but the run's last.
     assert waits <= dispatches // 2 + 1, asks.sites("wait")
+    assert asks.count("drain") == 1
     assert loop.trainer.global_step == 40 + STEPS
 
 
