@@ -188,6 +188,11 @@ def record_dispatches(loop, asks):
 
 @pytest.fixture
 def asks(monkeypatch):
+    devices = jax.devices()
+    if len(devices) == 1 and devices[0].platform == "cpu":
+        # `--accelerator` on a machine without one: a lone CPU device's arrays are read
+        # through the buffer protocol, which the count cannot see.
+        pytest.skip("counting reads needs several CPU devices or an accelerator")
     return DeviceAsks(monkeypatch)
 
 
