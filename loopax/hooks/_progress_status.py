@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
+
+from .._devices import host_floats
 
 _RATE_PREFIXES = ("", "k", "M", "G", "T")
 
@@ -182,5 +183,6 @@ class FinishedMetrics:
     def values(self) -> dict[str, float]:
         """The finished metrics as Python floats (empty before any), read once per step."""
         if self._values is None:
-            self._values = {key: float(np.asarray(v)) for key, v in self._newest.items()}
+            newest = self._newest  # finished: read together, one wait on an accelerator
+            self._values = dict(zip(newest, host_floats(newest.values()), strict=True))
         return self._values

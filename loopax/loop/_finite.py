@@ -132,6 +132,10 @@ class FiniteChecker:
         """
         return self._sentinel_metric
 
+    def sentinel_of(self, window: Window) -> Any:
+        """The value `verify` reads of `window`: its newest step's `sentinel_metric`."""
+        return window[-1].metrics[self._sentinel_metric]
+
     def set_handler(self, handler: NonFiniteHandler | None) -> None:
         """Hands the skipped steps to `handler(loop, steps)` instead of a warning; None: warn."""
         self.handler = handler
@@ -145,7 +149,7 @@ class FiniteChecker:
         """
         self.raise_failure()
         newest_step = window[-1].last_step
-        value = _as_float(window[-1].metrics[self._sentinel_metric])
+        value = _as_float(self.sentinel_of(window))
         if self._sentinel_metric == MOVING_AVERAGE_LOSS:
             if not math.isfinite(value):
                 self._raise_first(loop, window, value)

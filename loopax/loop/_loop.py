@@ -273,7 +273,8 @@ class Loop:
     def host_metrics(self) -> dict[str, float]:
         """The latest step's metrics as Python floats (it waits for that step).
 
-        Read from the device at most once per step, however many hooks ask.
+        Read from the device at most once per step, however many hooks ask, all of them
+        together (one wait for the device).
         """
         return self._loop_metrics.host(self._runner.metrics, self._runner.metrics_step)
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
-import numpy as np
 
+from .._devices import host_floats, start_host_copies
 from ..data import Dataset
 from ..data._internal import dataset_name
 from ._history import Evaluation, History, train_key
@@ -109,7 +109,7 @@ class LoopMetrics:
     def host(self, metrics: Metrics, step: int) -> dict[str, float]:
         """Loop step `step`'s `metrics` as Python floats, read at most once per step."""
         if self._host_step != step:
-            self._host = {key: float(np.asarray(v)) for key, v in metrics.items()}
+            self._host = dict(zip(metrics, host_floats(metrics.values()), strict=True))
             self._host_step = step
         return dict(self._host)
 
@@ -132,20 +132,47 @@ class LoopMetrics:
         else:
             pending.append(PendingLog(step, metrics, extra, [(fn, tuple(extra))]))
 
-    def resolve_logs(self, through_step: int) -> None:
-        """Reads and hands out the pending train logs of steps `<= through_step`."""
+    def _due(self, through_step: int) -> int:
+        """How many pending logs, oldest first, are of steps `<= through_step`."""
         pending = self.pending_logs
-        ready = 0
-        while ready < len(pending) and pending[ready].step <= through_step:
-            ready += 1
+        due = 0
+        while due < len(pending) and pending[due].step <= through_step:
+            due += 1
+        return due
+
+    def start_reads(self, through_step: int, *also: Any) -> None:
+        """Starts copying the logs due through `through_step`, and `also`, to the host.
+
+        The loop calls it before it reads a waited-for window's check (`also`), so that the
+        check and the window's logs wait once for the device (`start_host_copies`), not once
+        per value.
+        """
+        values = list(also)
+        for entry in self.pending_logs[: self._due(through_step)]:
+            values += [*entry.metrics.values(), *entry.extra.values()]
+        if len(values) > 1:
+            start_host_copies(values)
+
+    def resolve_logs(self, through_step: int) -> None:
+        """Reads and hands out the pending train logs of steps `<= through_step`.
+
+        Their steps are done: every value of every log due is read in one go (one wait for
+        the device on an accelerator, `host_floats`), then each writer is called.
+        """
+        ready = self._due(through_step)
         if not ready:
             return
-        entries, self.pending_logs = pending[:ready], pending[ready:]
+        entries, self.pending_logs = self.pending_logs[:ready], self.pending_logs[ready:]
+        values = iter(
+            host_floats(
+                value
+                for entry in entries
+                for value in [*entry.metrics.values(), *entry.extra.values()]
+            )
+        )
         for step, metrics, extra, callbacks in entries:
-            # Those steps are done: reading each scalar is a copy, ~1 µs (jax.device_get of
-            # the same dict costs tens of µs in tree handling).
-            keyed = {train_key(name): float(np.asarray(v)) for name, v in metrics.items()}
-            extra = {key: float(np.asarray(v)) for key, v in extra.items()}
+            keyed = {train_key(name): next(values) for name in metrics}
+            extra = {key: next(values) for key in extra}
             self._history.record(step + 1, {**keyed, **extra})
             for callback, extra_keys in callbacks:
                 callback(step + 1, {**keyed, **{key: extra[key] for key in extra_keys}})

@@ -268,6 +268,8 @@ class Runner:
         if window:
             for watch in self._loop.shared_data.get(FINISHED, ()):
                 watch(self._in_flight.finished.last_step)
+            if self._loop_metrics.pending_logs:  # the check and the logs: one wait
+                self._loop_metrics.start_reads(NEVER, self._finite.sentinel_of(window))
             self._finite.verify(self._loop, window)
         self._finite.raise_failure()
         if self._loop_metrics.pending_logs:
@@ -421,8 +423,14 @@ class Runner:
                     StepToken(last, metrics, batches_to_hold(dispatches, turn_budget)),
                 )
                 if window is not None:
+                    # The window's steps have finished: its check reads one value, and the
+                    # logs due with it are read in the same wait for the device.
                     for watch in self._loop.shared_data.get(FINISHED, ()):
                         watch(self._in_flight.finished.last_step)
+                    if loop_metrics.pending_logs:
+                        loop_metrics.start_reads(
+                            window[-1].last_step, self._finite.sentinel_of(window)
+                        )
                     self._finite.verify(self._loop, window)
                     if loop_metrics.pending_logs:
                         loop_metrics.resolve_logs(window[-1].last_step)

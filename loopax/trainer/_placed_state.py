@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._devices import start_host_copies
 from ..optimizers import get_learning_rate, set_learning_rate
 from ..optimizers._internal import check_not_schedule, constant_learning_rate
 from ._models import NnxModel
@@ -172,8 +173,11 @@ class PlacedState:
                 "restore with hooks.checkpoint, which writes each process's shards"
             )
         # A real copy: the next train step donates (reuses) the device buffers, and on CPU
-        # `device_get` may return a view of them.
-        return jax.tree.map(np.array, to_plain(state))
+        # `device_get` may return a view of them. The copies start together: one wait for
+        # the device on an accelerator, not one per leaf.
+        plain = to_plain(state)
+        start_host_copies(jax.tree.leaves(plain))
+        return jax.tree.map(np.array, plain)
 
     def state_shardings(self) -> dict | None:
         """Every state leaf's sharding, as `to_plain` nests them; see `Trainer.state_shardings`."""
