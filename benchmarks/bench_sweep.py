@@ -138,6 +138,11 @@ def split_key(key: str) -> tuple[str, int]:
     return workload, int(batches) if batches else DEFAULT_BATCHES
 
 
+def short_key(key: str) -> str:
+    workload, _, batches = key.partition("@")
+    return SHORT.get(workload, workload) + (f" ({batches} batches)" if batches else "")
+
+
 # -- the child ------------------------------------------------------------------------------
 
 
@@ -681,17 +686,18 @@ class Sweep:
             if "error" in counts:
                 rows.append((label, f"n/a ({counts['error']})"))
                 continue
+            if not any(figures[name] for figures in counts.values() for name in LOG_PATTERNS):
+                why = "no graph in these programs, or this XLA logs them otherwise"
+                rows.append((label, f"no command-buffer log line in any counted run ({why})"))
+                continue
             parts = []
             for key, figures in counts.items():
                 steps = figures["steps"]
                 if not any(figures[name] for name in LOG_PATTERNS):
-                    parts.append(
-                        f"{key}: no command-buffer log line (no graph in its programs, or "
-                        "this XLA logs them otherwise)"
-                    )
+                    parts.append(f"{short_key(key)}: no command-buffer log line")
                     continue
                 parts.append(
-                    f"{key}: {figures['updates'] / steps:.2f} updates "
+                    f"{short_key(key)}: {figures['updates'] / steps:.2f} updates "
                     f"({figures['updated_allocs'] / steps:.1f} allocations, "
                     f"{figures['commands_updated'] / steps:.1f} commands, "
                     f"{figures['update_micros'] / steps:.1f} µs), "
@@ -703,7 +709,7 @@ class Sweep:
                     )
                     + (f", {figures['evicted']} evicted" if figures["evicted"] else "")
                 )
-            rows.append((label, "; ".join(parts) + " (per step)"))
+            rows.append((label, "; ".join(parts) + " (per step; a fused call is 32)"))
         for variant in variants:
             result = self.results.get(variant.name)
             if result is None:
