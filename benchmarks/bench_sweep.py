@@ -319,7 +319,7 @@ def command_buffer_counts(lines: Iterable[str]) -> dict[str, int]:
     return counts
 
 
-def marked_counts(log: str) -> dict[str, dict[str, int]]:
+def marked_counts(log: str) -> dict[str, dict[str, Any]]:
     """Per candidate, the command-buffer counts between its begin and end markers."""
     sections: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -329,7 +329,24 @@ def marked_counts(log: str) -> dict[str, dict[str, int]]:
             current = sections.setdefault(key, []) if what == "begin" else None
         elif current is not None:
             current.append(line)
-    return {key: command_buffer_counts(lines) for key, lines in sections.items()}
+    return {
+        key: command_buffer_counts(lines) | {"sample": command_buffer_sample(lines)}
+        for key, lines in sections.items()
+    }
+
+
+SAMPLED = (*LOG_PATTERNS.values(), UPDATE_MICROS, UPDATED_COMMANDS, EVICTED)
+
+
+def command_buffer_sample(lines: Sequence[str], limit: int = 8) -> list[str]:
+    """The first command-buffer log lines of a counted run, without the log's prefix."""
+    sample = []
+    for line in lines:
+        if any(pattern.search(line) for pattern in SAMPLED):
+            sample.append(line.split("] ", 1)[-1][:200])
+            if len(sample) == limit:
+                break
+    return sample
 
 
 THUNK_LINE = re.compile(r"^(\s*)(?:\d+:\s*)?(k[A-Z][A-Za-z0-9]*)\b")
@@ -348,8 +365,13 @@ def thunk_kinds(text: str) -> tuple[collections.Counter, collections.Counter]:
     return top, nested
 
 
-def dumped_thunks(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
-    """`{module: {"top": kinds, "nested": kinds}}` from the dump, per module (after passes)."""
+def dumped_thunks(directory: Path, keep: int = 20_000) -> dict[str, dict[str, Any]]:
+    """`{module: {"top": kinds, "nested": kinds, "text": ...}}` from the dump, per module.
+
+    The sequence after XLA's thunk passes (where the graphs are formed) where it was
+    written, else the one before; `text`, its first `keep` characters, for programs of 3
+    thunks or more (the next session reads them without a run).
+    """
     chosen: dict[tuple[str, str], tuple[bool, Path]] = {}
     for path in sorted(directory.glob("*thunk_sequence*.txt")) if directory.is_dir() else ():
         found = MODULE_FILE.match(path.name)
@@ -359,11 +381,14 @@ def dumped_thunks(directory: Path) -> dict[str, dict[str, dict[str, int]]]:
         after = found.group(3) is not None
         if key not in chosen or after:
             chosen[key] = (after, path)
-    modules: dict[str, dict[str, dict[str, int]]] = {}
-    for (number, name), (_, path) in sorted(chosen.items()):
-        top, nested = thunk_kinds(path.read_text(errors="replace"))
+    modules: dict[str, dict[str, Any]] = {}
+    for (number, name), (after, path) in sorted(chosen.items()):
+        text = path.read_text(errors="replace")
+        top, nested = thunk_kinds(text)
         label = name if name not in modules else f"{name}#{number}"
-        modules[label] = {"top": dict(top), "nested": dict(nested)}
+        modules[label] = {"top": dict(top), "nested": dict(nested), "after_passes": after}
+        if sum(top.values()) + sum(nested.values()) >= 3:
+            modules[label]["text"] = text[:keep]
     return modules
 
 
