@@ -95,13 +95,15 @@ VARIANTS = (
     Variant("default", (), batch_counts=(DEFAULT_BATCHES, 8, 64)),
     Variant("graphs off", ("--xla_gpu_enable_command_buffer=",), diagnose=False),
     Variant("trace cache 64", ("--xla_cmd_buffer_trace_cache_size=64",)),
-    Variant("min graph size 1", ("--xla_gpu_graph_min_graph_size=1",)),
     Variant(
         "graphed loop",
         ("--xla_gpu_enable_command_buffer=+WHILE", "--xla_gpu_command_buffer_unroll_loops=true"),
         groups=("fused",),
     ),
+    Variant("min graph size 1", ("--xla_gpu_graph_min_graph_size=1",)),
 )
+# The order is the order they run in (the default first, then its diagnostics with the other
+# variants'), by how much each answers: a child that would start past the share is skipped.
 # On a CPU the flags change nothing (they are XLA:GPU's): the smoke run times the default
 # process (all workloads and batch counts) and checks that every other variant's flags parse.
 CPU_VARIANTS = ("default",)
@@ -183,7 +185,7 @@ def build_candidates(spec: dict, steps: int, fused_steps: int) -> tuple[dict, di
         arrays = bench_fused.shuffled_arrays(workload)
         fused_runs[SCAN] = bench_fused.prestacked_scan(workload, arrays, fused_steps)
         rows = ((bench_fused.SHUFFLED_BARE, None, True),)
-        directory = Path(tempfile.mkdtemp(prefix="loopax-sweep-"))
+        directory = Path(spec["directory"])  # in the parent's scratch folder: removed with it
         fused, missing = bench_fused.shuffled_candidates(
             workload, arrays, fused_steps, rows, directory
         )
@@ -463,7 +465,9 @@ class Sweep:
             "groups": list(variant.groups),
             "batch_counts": list(variant.batch_counts),
         }
-        stderr = self.scratch / f"{self.dump_directory(variant).name}-{mode}.log"
+        stem = f"{self.dump_directory(variant).name}-{mode}"
+        spec["directory"] = str(self.scratch / stem)
+        stderr = self.scratch / f"{stem}.log"
         with stderr.open("w") as sink:
             process = subprocess.Popen(
                 [sys.executable, __file__, "--sweep-worker", json.dumps(spec)],
@@ -881,15 +885,17 @@ def section(size: str, backend: str, progress: Callable[[str], None]) -> dict:
     sweep = Sweep(plan, backend, scratch, progress)
     interrupted = False
     try:
-        sweep.check_flags(VARIANTS)  # also those of the variants not run on a CPU
-        sweep.run(variants)
-    except KeyboardInterrupt:
-        interrupted = True
-        sweep.notes.append("interrupted: the children running were ended")
+        try:
+            sweep.check_flags(VARIANTS)  # also those of the variants not run on a CPU
+            sweep.run(variants)
+        except KeyboardInterrupt:
+            interrupted = True
+            sweep.notes.append("interrupted: the children running were ended")
+        finally:
+            sweep.stop_all()
+        result = sweep.section(variants, skipped)
     finally:
-        sweep.stop_all()
-    result = sweep.section(variants, skipped)
-    shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # dumps and logs: their counts are kept
     if interrupted:
         result["interrupted"] = True
     return result
