@@ -42,7 +42,6 @@ Run: python benchmarks/run_all.py --device --only sweep [--size small|full]
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -53,9 +52,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+
+from _xla_logs import (
+    LOG_PATTERNS,
+    VMODULE,
+    command_buffer_counts,
+    describe_kinds,
+    dumped_thunks,
+    marked_counts,
+    rejected_flags,
+)
+
+CHILD = Path(__file__).resolve().parent / "_sweep_child.py"
 
 # Workloads (candidate names inside a child; the per-step ones also carry "@<batches>").
 PLAIN = "hand-written step"
@@ -67,13 +77,6 @@ STEP_WORKLOADS = (PLAIN, AVERAGE, LOOPAX)
 SHORT = {PLAIN: "plain", AVERAGE: "average", LOOPAX: "loopax", SCAN: "scan", FUSED: "fused"}
 FUSED_WORKLOADS = (SCAN, FUSED)
 DEFAULT_BATCHES = 16  # XLA:GPU's command-buffer trace cache holds 16 entries by default
-
-# The command-buffer log of a diagnostic child (gpu-notes §2; XLA's own module names: the
-# executor's VLOG(1) lines moved from command_buffer_cmd.cc to command_executor.cc in 2026).
-VMODULE = "command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1"
-MARK = "LOOPAX-SWEEP-MARK"
-UNKNOWN_FLAG = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
-ILLEGAL_VALUE = re.compile(r"Illegal value for (--\w+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,268 +148,6 @@ def short_key(key: str) -> str:
     return SHORT.get(workload, workload) + (f" ({batches} batches)" if batches else "")
 
 
-# -- the child ------------------------------------------------------------------------------
-
-
-def build_candidates(spec: dict, steps: int, fused_steps: int) -> tuple[dict, dict, list[str]]:
-    """The child's candidates: `{key: run}` per group, compiled and run once; and n/a rows."""
-    import _common  # noqa: PLC0415  (the parent imports none of this)
-    import bench_fused  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-
-    workload = _common.TINY
-    step_runs: dict[str, Callable] = {}
-    fused_runs: dict[str, Callable] = {}
-    unavailable: list[str] = []
-    if "step" in spec["groups"]:
-        # One program per workload, whatever the batch count: the same jitted step (a cache
-        # hit for each new state) and the same Loop, reading another cycling dataset.
-        steppers = {
-            name: _common._hand_written_step(workload, None, moving_average=average)
-            for name, average in ((PLAIN, False), (AVERAGE, True))
-        }
-        jitted = {name: jax.jit(step, donate_argnums=0) for name, (step, _) in steppers.items()}
-        captured: dict[str, Any] = {}
-        for count in spec["batch_counts"]:
-            batches = _common.make_batches(workload, count=count)
-            for name, (_, init) in steppers.items():
-                state = init(batches[0][1][0])
-                run = _common._cycle(jitted[name], state, batches, steps, None)
-                step_runs[candidate_key(name, count)] = run
-            if "loop" not in captured:
-                step_runs[candidate_key(LOOPAX, count)] = _common.loopax_loop(
-                    workload, batches, steps, attach=lambda loop: captured.setdefault("loop", loop)
-                )
-            else:
-                step_runs[candidate_key(LOOPAX, count)] = loop_run(
-                    captured["loop"], _common.CyclingDataset(batches), steps
-                )
-    if "fused" in spec["groups"]:
-        arrays = bench_fused.shuffled_arrays(workload)
-        fused_runs[SCAN] = bench_fused.prestacked_scan(workload, arrays, fused_steps)
-        rows = ((bench_fused.SHUFFLED_BARE, None, True),)
-        directory = Path(spec["directory"])  # in the parent's scratch folder: removed with it
-        fused, missing = bench_fused.shuffled_candidates(
-            workload, arrays, fused_steps, rows, directory
-        )
-        if bench_fused.SHUFFLED_BARE in fused:
-            fused_runs[FUSED] = fused[bench_fused.SHUFFLED_BARE]
-        unavailable += [f"{FUSED}: {why}" for why in missing.values()]
-    return step_runs, fused_runs, unavailable
-
-
-def loop_run(loop: Any, dataset: Any, steps: int) -> Callable[[], None]:
-    """`loop.run_steps(dataset, steps)`, waited for; run once now (no new program: same shapes)."""
-    loop.run_steps(dataset, 2)
-
-    def run() -> None:
-        loop.run_steps(dataset, steps)["loss"].block_until_ready()
-
-    return run
-
-
-def time_worker(spec: dict) -> dict:
-    """Timing child: candidates built, one warm-up round, then paired rotating rounds."""
-    import _common  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-
-    from loopax.testing import count_compilations  # noqa: PLC0415
-
-    started = time.perf_counter()
-    with count_compilations() as compiled:
-        step_runs, fused_runs, unavailable = build_candidates(
-            spec, spec["step_steps"], spec["fused_steps"]
-        )
-    built_at = time.perf_counter()
-    result: dict[str, Any] = {
-        "backend": jax.default_backend(),
-        "unavailable": unavailable,
-        "programs": len(compiled.names),
-        "build_seconds": built_at - started,
-        "groups": {},
-    }
-    for group, runs, steps in (
-        ("step", step_runs, spec["step_steps"]),
-        ("fused", fused_runs, spec["fused_steps"]),
-    ):
-        if not runs:
-            continue
-        # warm-up: each program runs at least 3 times after the last compilation anywhere
-        _common.interleave(runs, steps, spec["warmup_rounds"], warmup=0)
-        with count_compilations() as during:
-            timings = _common.interleave(runs, steps, spec["rounds"], warmup=0)
-        result["groups"][group] = {
-            "steps": steps,
-            "seconds": timings.seconds,
-            "built_during_timing": during.names,
-        }
-    result["seconds"] = time.perf_counter() - started
-    return result
-
-
-def mark(text: str) -> None:
-    """A marker line on the process's stderr, in order with XLA's own log lines."""
-    os.write(2, f"{MARK} {text}\n".encode())
-
-
-def diag_worker(spec: dict) -> dict:
-    """Diagnostic child (command-buffer logging on): each candidate's counted run, marked."""
-    step_runs, fused_runs, unavailable = build_candidates(
-        spec, spec["diag_step_steps"], spec["diag_fused_steps"]
-    )
-    counted: dict[str, int] = {}
-    runs = {**step_runs, **fused_runs}
-    for run in runs.values():  # every program at least 3 times after the last compilation
-        for _ in range(3):
-            run()
-    for key, run in runs.items():
-        steps = spec["diag_fused_steps"] if key in fused_runs else spec["diag_step_steps"]
-        mark(f"begin {key}")
-        run()
-        mark(f"end {key}")
-        counted[key] = steps
-    return {"counted": counted, "unavailable": unavailable}
-
-
-def worker_main(argument: str) -> None:
-    spec = json.loads(argument)
-    result = diag_worker(spec) if spec["mode"] == "diag" else time_worker(spec)
-    print("SWEEP-JSON " + json.dumps(result), flush=True)
-
-
-# -- parsing what the children leave --------------------------------------------------------
-
-
-LOG_PATTERNS = {
-    "launches": re.compile(r"Execute command buffer on device"),
-    "updates": re.compile(r"Update command buffer on device"),
-    "initializations": re.compile(r"Initialize command buffer on device"),
-    "warmups": re.compile(r"Executing warm up iteration of command buffer"),
-}
-UPDATED_ALLOCS = re.compile(r"Update command buffer on device.*updated_allocs=(\d+)")
-UPDATE_MICROS = re.compile(r"Updated command buffer in (\d+)")
-UPDATED_COMMANDS = re.compile(r"Updated (\d+) commands in (\d+) .*?\(skipped (\d+)")
-EVICTED = re.compile(r"Evicted (\d+) command buffer")
-
-
-def command_buffer_counts(lines: Iterable[str]) -> dict[str, int]:
-    """Counts of XLA:GPU's command-buffer log lines (gpu-notes §2), summed over `lines`."""
-    counts = dict.fromkeys(
-        (
-            *LOG_PATTERNS,
-            "updated_allocs",
-            "update_micros",
-            "commands_updated",
-            "commands_skipped",
-            "evicted",
-            "lines",
-        ),
-        0,
-    )
-    for line in lines:
-        counts["lines"] += 1
-        for name, pattern in LOG_PATTERNS.items():
-            if pattern.search(line):
-                counts[name] += 1
-        if found := UPDATED_ALLOCS.search(line):
-            counts["updated_allocs"] += int(found.group(1))
-        if found := UPDATE_MICROS.search(line):
-            counts["update_micros"] += int(found.group(1))
-        if found := UPDATED_COMMANDS.search(line):
-            commands, skipped = int(found.group(1)), int(found.group(3))
-            counts["commands_updated"] += commands - skipped
-            counts["commands_skipped"] += skipped
-        if found := EVICTED.search(line):
-            counts["evicted"] += int(found.group(1))
-    return counts
-
-
-def marked_counts(log: str) -> dict[str, dict[str, Any]]:
-    """Per candidate, the command-buffer counts between its begin and end markers."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in log.splitlines():
-        if line.startswith(MARK):
-            _, what, key = line.split(" ", 2)
-            current = sections.setdefault(key, []) if what == "begin" else None
-        elif current is not None:
-            current.append(line)
-    return {
-        key: command_buffer_counts(lines) | {"sample": command_buffer_sample(lines)}
-        for key, lines in sections.items()
-    }
-
-
-SAMPLED = (*LOG_PATTERNS.values(), UPDATE_MICROS, UPDATED_COMMANDS, EVICTED)
-
-
-def command_buffer_sample(lines: Sequence[str], limit: int = 8) -> list[str]:
-    """The first command-buffer log lines of a counted run, without the log's prefix."""
-    sample = []
-    for line in lines:
-        if any(pattern.search(line) for pattern in SAMPLED):
-            sample.append(line.split("] ", 1)[-1][:200])
-            if len(sample) == limit:
-                break
-    return sample
-
-
-THUNK_LINE = re.compile(r"^(\s*)(?:\d+:\s*)?(k[A-Z][A-Za-z0-9]*)\b")
-MODULE_FILE = re.compile(r"^module_(\d+)\.(.+?)\.thunk_sequence(_after_thunk_passes)?\.txt$")
-
-
-def thunk_kinds(text: str) -> tuple[collections.Counter, collections.Counter]:
-    """Thunk kinds in a thunk-sequence dump: at top level, and nested (graphs, loop bodies)."""
-    top: collections.Counter = collections.Counter()
-    nested: collections.Counter = collections.Counter()
-    for line in text.splitlines():
-        found = THUNK_LINE.match(line)
-        if found is None:
-            continue
-        (nested if found.group(1) else top)[found.group(2)] += 1
-    return top, nested
-
-
-def dumped_thunks(directory: Path, keep: int = 20_000) -> dict[str, dict[str, Any]]:
-    """`{module: {"top": kinds, "nested": kinds, "text": ...}}` from the dump, per module.
-
-    The sequence after XLA's thunk passes (where the graphs are formed) where it was
-    written, else the one before; `text`, its first `keep` characters, for programs of 3
-    thunks or more (the next session reads them without a run).
-    """
-    chosen: dict[tuple[str, str], tuple[bool, Path]] = {}
-    for path in sorted(directory.glob("*thunk_sequence*.txt")) if directory.is_dir() else ():
-        found = MODULE_FILE.match(path.name)
-        if found is None:
-            continue
-        key = (found.group(1), found.group(2))
-        after = found.group(3) is not None
-        if key not in chosen or after:
-            chosen[key] = (after, path)
-    modules: dict[str, dict[str, Any]] = {}
-    for (number, name), (after, path) in sorted(chosen.items()):
-        text = path.read_text(errors="replace")
-        top, nested = thunk_kinds(text)
-        label = name if name not in modules else f"{name}#{number}"
-        modules[label] = {"top": dict(top), "nested": dict(nested), "after_passes": after}
-        if sum(top.values()) + sum(nested.values()) >= 3:
-            modules[label]["text"] = text[:keep]
-    return modules
-
-
-def describe_kinds(kinds: dict[str, int]) -> str:
-    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())) or "none"
-
-
-def rejected_flags(log: str) -> set[str]:
-    """The flags XLA's parser named as unknown (with their values) or of illegal value."""
-    named: set[str] = set()
-    for found in UNKNOWN_FLAG.finditer(log):
-        named |= set(found.group(1).split())
-    named |= {found.group(1) for found in ILLEGAL_VALUE.finditer(log)}
-    return named
-
-
 # -- the parent -----------------------------------------------------------------------------
 
 
@@ -470,7 +211,7 @@ class Sweep:
         stderr = self.scratch / f"{stem}.log"
         with stderr.open("w") as sink:
             process = subprocess.Popen(
-                [sys.executable, __file__, "--sweep-worker", json.dumps(spec)],
+                [sys.executable, str(CHILD), json.dumps(spec)],
                 env=self.environment(variant, mode),
                 stdout=subprocess.PIPE,
                 stderr=sink,
@@ -902,10 +643,7 @@ def section(size: str, backend: str, progress: Callable[[str], None]) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--sweep-worker":
-        worker_main(sys.argv[2])
-    else:
-        import run_all
+    import run_all
 
-        sys.argv[1:1] = ["--device", "--only", "sweep"]
-        run_all.main()
+    sys.argv[1:1] = ["--device", "--only", "sweep"]
+    run_all.main()
