@@ -16,16 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _common
+import bench_fused
+import jax
+from _sweep_plan import AVERAGE, FUSED, LOOPAX, PLAIN, SCAN, candidate_key
 from _xla_logs import MARK
-from bench_sweep import AVERAGE, FUSED, LOOPAX, PLAIN, SCAN, candidate_key
+
+from loopax.testing import count_compilations
 
 
 def build_candidates(spec: dict, steps: int, fused_steps: int) -> tuple[dict, dict, list[str]]:
     """The child's candidates: `{key: run}` per group, compiled and run once; and n/a rows."""
-    import _common  # noqa: PLC0415  (the parent imports none of this)
-    import bench_fused  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-
     workload = _common.TINY
     step_runs: dict[str, Callable] = {}
     fused_runs: dict[str, Callable] = {}
@@ -79,11 +80,6 @@ def loop_run(loop: Any, dataset: Any, steps: int) -> Callable[[], None]:
 
 def time_worker(spec: dict) -> dict:
     """Timing child: candidates built, one warm-up round, then paired rotating rounds."""
-    import _common  # noqa: PLC0415
-    import jax  # noqa: PLC0415
-
-    from loopax.testing import count_compilations  # noqa: PLC0415
-
     started = time.perf_counter()
     with count_compilations() as compiled:
         step_runs, fused_runs, unavailable = build_candidates(

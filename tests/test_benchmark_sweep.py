@@ -15,6 +15,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.append(str(BENCHMARKS))
 
+import _sweep_plan  # noqa: E402
+import _sweep_report  # noqa: E402
 import _xla_logs  # noqa: E402
 import bench_sweep  # noqa: E402
 
@@ -107,11 +109,11 @@ def test_a_flag_xla_rejects_is_named(flag, named):
 def test_the_sweep_drops_the_flags_this_xla_lacks_and_keeps_the_rest(tmp_path):
     known = "--xla_gpu_graph_min_graph_size=1"
     variants = [
-        bench_sweep.Variant("known", (known,)),
-        bench_sweep.Variant("mixed", (known, "--xla_gpu_no_such_flag=1")),
-        bench_sweep.Variant("unknown", ("--xla_gpu_enable_command_buffer=+NO_SUCH_TYPE",)),
+        _sweep_plan.Variant("known", (known,)),
+        _sweep_plan.Variant("mixed", (known, "--xla_gpu_no_such_flag=1")),
+        _sweep_plan.Variant("unknown", ("--xla_gpu_enable_command_buffer=+NO_SUCH_TYPE",)),
     ]
-    sweep = bench_sweep.Sweep(bench_sweep.PLANS["small"], "cpu", tmp_path, lambda message: None)
+    sweep = bench_sweep.Sweep(_sweep_plan.PLANS["small"], "cpu", tmp_path, lambda message: None)
     sweep.check_flags(variants)
     assert sweep.flags == {"known": (known,), "mixed": (known,), "unknown": ()}
     assert set(sweep.status) == {"unknown"}  # skipped: none of its flags is left
@@ -119,7 +121,41 @@ def test_the_sweep_drops_the_flags_this_xla_lacks_and_keeps_the_rest(tmp_path):
 
 
 def test_the_sweeps_own_flags_parse_in_this_xla(tmp_path):
-    sweep = bench_sweep.Sweep(bench_sweep.PLANS["small"], "cpu", tmp_path, lambda message: None)
-    sweep.check_flags(bench_sweep.VARIANTS)
-    assert sweep.flags == {variant.name: variant.flags for variant in bench_sweep.VARIANTS}
+    sweep = bench_sweep.Sweep(_sweep_plan.PLANS["small"], "cpu", tmp_path, lambda message: None)
+    sweep.check_flags(_sweep_plan.VARIANTS)
+    assert sweep.flags == {variant.name: variant.flags for variant in _sweep_plan.VARIANTS}
     assert not sweep.status
+
+
+def test_the_report_names_the_fastest_variant_and_the_closest_gap():
+    plan, step = _sweep_plan, _sweep_plan.PLAIN
+    average, loopax = _sweep_plan.AVERAGE, _sweep_plan.LOOPAX
+
+    def timed(plain: float, with_average: float, loop: float) -> dict:
+        seconds = {step: [plain] * 3, average: [with_average] * 3, loopax: [loop] * 3}
+        group = {"steps": 100, "seconds": seconds, "built_during_timing": []}
+        return {"groups": {"step": group}, "unavailable": [], "thunks": {}}
+
+    counts = _xla_logs.marked_counts(LOG)["hand-written step"]  # two steps' worth
+    report = _sweep_report.SweepReport(
+        plan=plan.PLANS["full"],
+        backend="gpu",
+        flags={"default": (), "graphs off": ("--xla_gpu_enable_command_buffer=",)},
+        results={"default": timed(1.0, 1.5, 2.0), "graphs off": timed(0.9, 1.0, 1.0)},
+        diagnostics={"default": {step: counts | {"steps": 2}}},
+        status={},
+        notes=[],
+        seconds=1.0,
+    )
+    variants = [plan.VARIANTS[0], plan.VARIANTS[1]]
+    rows = dict(report.section(variants, [])["rows"])
+    graphs_off = "graphs off [--xla_gpu_enable_command_buffer=]"
+    assert rows["verdict plain"].startswith(f"fastest {graphs_off}: 111/s, +11.1% over")
+    assert rows["verdict gap loopax / plain"].startswith(
+        f"closest {graphs_off}: 0.90x against 0.50x by default"
+    )
+    assert rows["updates per step: default [no flags]"].startswith(
+        "plain: 1.00 updates (2.0 allocations, 2.0 commands, 20.0 µs), 1.00 graph launches "
+        "(per step"
+    )
+    assert rows["thunks: default [no flags]"] == "n/a (no thunk sequence in the dump)"
