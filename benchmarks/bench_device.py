@@ -23,6 +23,13 @@ a run stopped at its time limit keeps what it measured):
   in-flight cap, 32 on XLA:GPU) means the host waited for the device (device-bound).
   loopax's `run_steps` waits for its last steps itself (it checks their losses), so its row
   gives the wall time only.
+- sweep: recommendations 8, 9 and 11 of `gpu-notes.md` (`bench_sweep.py`): the tiny
+  per-step workloads (hand-written, hand-written keeping the loss's moving average, the bare
+  Loop) and the fused pair (loopax K=32 against the hand-written scan of 32), each set of XLA
+  flags in a fresh process: the default (and 8, 16, 64 cycled batches), command buffers off,
+  regions of any size graphed, a trace cache of 64, the fused loop graphed; with each variant's
+  command-buffer updates per step and thunk kinds on a GPU; a verdict per workload. A fixed
+  share of the run (90 s at `full`).
 - digits: `examples/digits.py` as README command 1 runs it (fresh run directory and
   compilation cache): its own throughput line (examples/s), wall seconds, time to first
   step and test accuracy.
@@ -75,6 +82,7 @@ import _common
 import bench_first_step
 import bench_fused
 import bench_lm
+import bench_sweep
 import jax
 import jax.numpy as jnp
 
@@ -86,7 +94,7 @@ DIGITS = Path(__file__).resolve().parent.parent / "examples" / "digits.py"
 BATCHES = 16  # cycled device batches (XLA:GPU's command-buffer trace cache holds 16)
 XLA_CACHES = "none"  # jax_persistent_cache_enable_xla_caches; see start_cache
 NOMINAL_PEAK = 1e12  # FLOP/s, for MFU where hooks.throughput knows no peak
-SECTIONS = ("tiny", "fused", "enqueue", "digits", "lm-compile", "lm", "first-step")
+SECTIONS = ("tiny", "fused", "enqueue", "sweep", "digits", "lm-compile", "lm", "first-step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,6 +685,11 @@ def sections(
             section = tiny_section(size, rounds, directory, on_round(key))
         elif key == "fused":
             section = fused_section(size, rounds, directory, on_round(key))
+        elif key == "sweep":
+            section = bench_sweep.section(size.name, jax.default_backend(), progress)
+            if section.pop("interrupted", False):
+                emit(key, section)  # what the sweep measured before the run's time limit
+                raise KeyboardInterrupt
         elif key == "enqueue":
             section = enqueue_section(size)
         elif key == "digits":

@@ -11,15 +11,18 @@
 #      into OUTDIR/benchmarks.txt (the table), benchmarks.log (progress) and device.json;
 #   3. runs the suite's tests that need no simulated CPU devices (`pytest --accelerator`)
 #      into OUTDIR/tests.txt and tests.xml;
-#   4. prints a summary (also OUTDIR/summary.txt).
+#   4. prints a summary (also OUTDIR/summary.txt), with the flag sweep's verdicts.
 # Every part has a time limit, so the whole run ends within DEVICE_RUN_SECONDS (default 360:
 # 6 minutes). A part stopped at its limit is interrupted (SIGINT: the benchmark keeps the
 # sections it printed, pytest reports the tests it ran), then killed if it lingers.
 #
 # Environment: PYTHON (default python3), DEVICE_RUN_SECONDS (360), DEVICE_RUN_BENCH_SECONDS
-# (the benchmark's share, 230), DEVICE_RUN_TESTS (pytest arguments choosing the tests; default
-# the whole suite), DEVICE_RUN_WORKERS (pytest-xdist workers, default auto), DEVICE_RUN_ARGS
-# (more run_all.py arguments, e.g. "--size small" or "--only tiny,fused").
+# (the benchmark's share, 290: tiny, fused and enqueue ~40 s, the flag sweep at most 90 s,
+# digits ~25 s, the LM's sections and first-step the rest; the tests then get at least
+# 360 - 290 - 15 = 55 s, and what the benchmark leaves), DEVICE_RUN_TESTS (pytest arguments
+# choosing the tests; default the whole suite), DEVICE_RUN_WORKERS (pytest-xdist workers,
+# default auto), DEVICE_RUN_ARGS (more run_all.py arguments, e.g. "--size small" or
+# "--only tiny,fused").
 set -u
 
 if [ $# -ne 1 ]; then
@@ -34,7 +37,7 @@ cd "$ROOT" || exit 2
 
 START=$(date +%s)
 BUDGET=${DEVICE_RUN_SECONDS:-360}
-BENCH_SHARE=${DEVICE_RUN_BENCH_SECONDS:-230}
+BENCH_SHARE=${DEVICE_RUN_BENCH_SECONDS:-290}
 PYTHON=${PYTHON:-python3}
 MARGIN=15 # seconds kept for the summary and for a part that lingers after its signal
 export PYTHONUNBUFFERED=1
@@ -104,7 +107,7 @@ status_text() {
     grep -m1 "^device:" "$OUT/benchmarks.txt" || true
     echo
     echo "benchmark: $bench_seconds s, $(status_text $bench_status)"
-    grep -E "PASS|FAIL|n/a|programs built during|examples/s|dispatches queued" "$OUT/benchmarks.txt" |
+    grep -E "PASS|FAIL|n/a|programs built during|examples/s|dispatches queued|verdict " "$OUT/benchmarks.txt" |
         sed -E 's/^ +/  /; s/ {3,}/  /g' || true
     echo
     echo "tests (pytest --accelerator): $tests_seconds s, $(status_text $tests_status)"

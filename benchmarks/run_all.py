@@ -89,7 +89,7 @@ Run: python benchmarks/run_all.py [--quick]
        [--only tiny,medium,devices,keras,accumulate,fused,shuffled,fsdp,restart,runend,lm,ema]
        [--rounds N]
      python benchmarks/run_all.py --device [--size auto|small|full] [--json PATH]
-       [--only tiny,fused,enqueue,digits,lm-compile,lm,first-step] [--rounds N]
+       [--only tiny,fused,enqueue,sweep,digits,lm-compile,lm,first-step] [--rounds N]
 Needs: pip install -r benchmarks/requirements.txt  (Keras, for the Keras rows only)
 """
 
@@ -922,7 +922,7 @@ def main() -> None:
         "shuffled, fsdp, restart, runend, lm, ema (keras alone runs the Keras rows on both "
         "workloads; fused: issue 15's rows; shuffled: the fused Loop on reshuffled on-device "
         "data, issue 25; lm: the transformer LM of examples/transformer_lm.py). With "
-        "--device: among tiny, fused, enqueue, digits, lm-compile, lm, first-step",
+        "--device: among tiny, fused, enqueue, sweep, digits, lm-compile, lm, first-step",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument(
