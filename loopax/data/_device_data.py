@@ -167,8 +167,9 @@ class DeviceArrays:
                 return held[3]
         assert epoch.order is not None and upcoming.order is not None, "join needs orders"
         joined = joined_orders(epoch.order, upcoming.order, end, self._replicated)
-        # the pairs in use: this epoch's, the one crossing into the next, the next's
-        self._joined = [*self._joined[-2:], (epoch, upcoming, end, joined)]
+        # The pairs in use: a group's within the epoch, or the one crossing into the next,
+        # then the next epoch's (a pair let go is joined again if a chunk still needs it).
+        self._joined = [*self._joined[-1:], (epoch, upcoming, end, joined)]
         return joined
 
     @property
