@@ -16,13 +16,14 @@ candidates that `run_all.py --only fused` times side by side:
 
 The shuffled case (issue 25; `run_all.py --only shuffled`) trains on shuffled rows, as every
 user's data is: the fused Loop on an `ArrayDataset(..., on_device=True)` that reshuffles each
-epoch (one permuted copy of the arrays per epoch, on the devices; each step slices its batch
-from it), against the loop a user writes by hand for the same batches: each epoch's
-permutation (the one the dataset draws) applied to the arrays on the device by one gather,
-then `lax.scan`s of K steps slicing contiguous batches of the permuted arrays. Beside them:
-the scan over those batches pre-stacked (no permutation in the timed loop: the ceiling),
-the fused Loop with `shuffled_copy=False` (each step gathers its batch's rows, as before
-issue 25), and Keras `fit(shuffle=True, steps_per_execution=K)` on the same rows.
+epoch (each group of K steps reads its rows by one gather per array, through the epoch's
+permutation, on the devices), against the loop a user writes by hand for the same batches: each
+epoch's permutation (the one the dataset draws) applied to the arrays on the device by one
+gather, then `lax.scan`s of K steps slicing contiguous batches of the permuted arrays. Beside
+them: the scan over those batches pre-stacked (no permutation in the timed loop: the ceiling),
+the fused Loop with `shuffled_copy=False`, the bare fused Loop on the same on-device arrays in
+order (`shuffle=False`: what shuffling itself costs the Loop is the gap to it), and Keras
+`fit(shuffle=True, steps_per_execution=K)` on the same rows.
 
 Until the fused Loop and `on_device=` exist, `fused_loop` answers why not and the
 `train_steps` row stands in for it (see `FEATURES`).
@@ -89,6 +90,7 @@ SHUFFLED = f"loopax Loop, K={K}, README hooks, on-device"
 SHUFFLED_WHOLE = "  same, whole run_steps (incl. end-of-run save)"
 SHUFFLED_BARE = f"loopax Loop, K={K}, bare, on-device"
 SHUFFLED_GATHER = f"loopax Loop, K={K}, README hooks, no shuffled copy"
+SHUFFLED_IN_ORDER = f"loopax Loop, K={K}, bare, on-device, shuffle=False"
 PRESTACKED_SCAN = f"hand-written scan, K={K}, pre-stacked batches"
 
 
@@ -211,18 +213,19 @@ def shuffled_candidates(
     workload: Workload,
     arrays: tuple[np.ndarray, np.ndarray],
     steps: int,
-    rows: Sequence[tuple[str, str | None, bool]],
+    rows: Sequence[tuple[str, str | None, bool] | tuple[str, str | None, bool, bool]],
     directory: Any,
 ) -> tuple[dict[str, Run], dict[str, str]]:
     """The fused Loop on reshuffled on-device data, one run per row, and the rows it can't run.
 
-    Each row is `(name, hooks or None, shuffled_copy)`: with `hooks`, the README's hooks
+    Each row is `(name, hooks or None, shuffled_copy)`, or with a fourth item, `shuffle`
+    (default True; False: the same arrays in order): with `hooks`, the README's hooks
     write under `directory / hooks`.
     """
     candidates: dict[str, Run] = {}
     unavailable: dict[str, str] = {}
-    for row, hooked, shuffled_copy in rows:
-        dataset = shuffled_dataset(workload, arrays, shuffled_copy)
+    for row, hooked, shuffled_copy, *shuffle in rows:
+        dataset = shuffled_dataset(workload, arrays, shuffled_copy, *shuffle)
         attach, why = readme_hooks(directory / hooked) if hooked else (None, "")
         if dataset is None or (hooked and attach is None):
             unavailable[row] = why or "n/a (not on this loopax: shuffled_copy=)"
@@ -285,12 +288,17 @@ def epoch_permutation(examples: int, epoch: int) -> np.ndarray:
 
 
 def shuffled_dataset(
-    workload: Workload, arrays: tuple[np.ndarray, np.ndarray], shuffled_copy: bool = True
+    workload: Workload,
+    arrays: tuple[np.ndarray, np.ndarray],
+    shuffled_copy: bool = True,
+    shuffle: bool = True,
 ) -> Any:
     """The fused Loop's shuffled data: an on-device `ArrayDataset` reshuffled every epoch.
 
-    None where this loopax has no `shuffled_copy=` (the fused Loop then gathers each
-    step's rows, which the `shuffled_copy=False` row times).
+    With `shuffle=False`, the same arrays in order (every epoch the same batches): the
+    Loop's cost without the shuffle's. None where this loopax has no `shuffled_copy=`
+    (the fused Loop then gathers each step's rows, which the `shuffled_copy=False` row
+    times).
     """
     accepts = "shuffled_copy" in inspect.signature(loopax.ArrayDataset.__init__).parameters
     if shuffled_copy and not accepts:
@@ -301,6 +309,7 @@ def shuffled_dataset(
         x,
         y,
         workload.batch_size,
+        shuffle=shuffle,
         seed=SHUFFLE_SEED,
         loop_forever=True,
         on_device=True,

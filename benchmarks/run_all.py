@@ -655,6 +655,7 @@ def shuffled_section(args: argparse.Namespace) -> dict:
         (bench_fused.SHUFFLED, "copy", True),
         (bench_fused.SHUFFLED_BARE, None, True),
         (bench_fused.SHUFFLED_GATHER, "gather", False),
+        (bench_fused.SHUFFLED_IN_ORDER, None, True, False),
     )
     fused, unavailable = bench_fused.shuffled_candidates(workload, arrays, steps, rows, directory)
     candidates.update(fused)
@@ -704,6 +705,11 @@ def shuffled_section(args: argparse.Namespace) -> dict:
     ):
         if own in timings.seconds and other in timings.seconds:
             pairs.append((label, timings.ratio(own, other), timings.spread(own, other), target))
+    # What shuffling itself costs the Loop: the bare Loop on the same arrays in order.
+    bare, in_order = bench_fused.SHUFFLED_BARE, bench_fused.SHUFFLED_IN_ORDER
+    if bare in timings.seconds and in_order in timings.seconds:
+        label = "bare fused Loop, shuffled vs in order"
+        pairs.append((label, timings.ratio(bare, in_order), timings.spread(bare, in_order), None))
     return {
         "title": f"shuffled, tiny: {workload.description}, reshuffled epochs of "
         f"{bench_fused.SHUFFLED_BATCHES} batches, {steps} steps x {args.rounds} rounds",

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._devices import AXIS, Device
-from ._epoch_rows import EpochOrder, Reading, permuted_copy, rows_of
+from ._epoch_rows import EpochOrder, Reading, joined_orders, permuted_copy, rows_of
 
 Gather = Callable[..., Any]
 _KEPT_POSITIONS = 8  # device scalars of positions the host named, kept for reuse
@@ -107,6 +107,8 @@ class DeviceArrays:
         # the host names otherwise (0 at each epoch's start, an epoch's end, a restored one).
         self._cursor: tuple[int, jax.Array] | None = None
         self._positions: dict[int, jax.Array] = {}
+        # The joined permutations fused groups read (`joined`), for the last pairs of epochs.
+        self._joined: list[tuple[EpochOrder, EpochOrder, int, jax.Array]] = []
 
     def set_order(self, order: np.ndarray | None) -> None:
         """Puts the epoch's permutation on the devices (None: examples in order).
@@ -150,6 +152,25 @@ class DeviceArrays:
         if epoch is None:
             epoch = self._group_epoch = EpochOrder(self._order, None)
         return epoch
+
+    def joined(self, epoch: EpochOrder, upcoming: EpochOrder, end: int) -> jax.Array:
+        """`epoch`'s permutation up to position `end`, then `upcoming`'s, on the devices.
+
+        What a fused group reads its examples from (`joined_orders`): one slice of it
+        names a group's examples, across the epochs' boundary or not, so that the program
+        does no arithmetic on positions. Joined once per pair of epochs (a group within
+        one epoch joins it with itself, so that every group's program takes the same
+        shape), on the devices: nothing is copied from the host.
+        """
+        for held in self._joined:
+            if held[0] is epoch and held[1] is upcoming and held[2] == end:
+                return held[3]
+        assert epoch.order is not None and upcoming.order is not None, "join needs orders"
+        joined = joined_orders(epoch.order, upcoming.order, end, self._replicated)
+        # The pairs in use: a group's within the epoch, or the one crossing into the next,
+        # then the next epoch's (a pair let go is joined again if a chunk still needs it).
+        self._joined = [*self._joined[-1:], (epoch, upcoming, end, joined)]
+        return joined
 
     @property
     def key(self) -> Hashable:
@@ -273,8 +294,8 @@ class DeviceChunk:
             }
         else:
             lying = {"inputs": self.source.inputs, "labels": self.source.labels}
-            if epoch.order is not None:
-                lying.update(order=epoch.order, next_order=upcoming.order)
+            if epoch.order is not None:  # the examples at consecutive positions of both
+                lying["orders"] = self.source.joined(epoch, upcoming, self.end)
         source = self.source
         return lying, source.position(self.start), source.position(self.end)
 

@@ -5,7 +5,9 @@ permutation says which example each epoch position holds. `permuted_copy` applie
 per epoch (one compiled gather of the whole epoch), after which every batch is a contiguous
 slice of the copy; without the copy each batch's rows are gathered through the permutation
 (`rows_of`), batch by batch. `rows_at` is the read that fused programs trace: all of a
-group's rows at once.
+group's rows at once, through the two epochs' permutations joined into one array
+(`joined_orders`), so that a group's examples are a slice of it, and each array's rows one
+gather with no index arithmetic (`take_rows`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,53 @@ def permuted_copy(
     return _permuting(sharding)(inputs, labels, order)
 
 
+def take_rows(array: jax.Array, rows: jax.Array) -> jax.Array:
+    """The rows `rows` (int32 indices, 1-d, each in bounds) of `array`, by one gather (traced).
+
+    The gather XLA is given carries no index arithmetic: `array[rows]`, `jnp.take` and
+    `array.at[rows].get(mode="promise_in_bounds")` all first map negative indices
+    (`select(rows < 0, rows + n, rows)`), and `mode="clip"` clamps them; every index here
+    is in bounds by construction (an epoch position or an example a permutation names),
+    so neither is needed, and on a fused program's read they were a compare and two
+    selects for every element read.
+    """
+    dimensions = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(1, array.ndim)), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    return lax.gather(
+        array,
+        rows[:, None],
+        dimensions,
+        (1, *array.shape[1:]),
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+@functools.cache
+def _joining(sharding: NamedSharding, end: int) -> Callable[..., Any]:
+    """The compiled join of two epochs' permutations as a fused group reads them."""
+
+    def join(order: jax.Array, next_order: jax.Array) -> jax.Array:
+        return jnp.concatenate([order[:end], next_order])
+
+    join.__name__ = "join_epoch_orders"
+    return jax.jit(join, out_shardings=sharding)
+
+
+def joined_orders(
+    order: jax.Array, next_order: jax.Array, end: int, sharding: NamedSharding
+) -> jax.Array:
+    """Two epochs' permutations as one array of the examples at consecutive positions.
+
+    Position `p` of the epoch `order` is `joined[p]` up to the epoch's `end`, and the
+    next epoch's position `p - end` (from `next_order`) after it, so the examples of a
+    run of positions are a contiguous slice of `joined`, whether or not it crosses the
+    epochs' boundary (what `rows_at` reads). Made by one compiled program on the devices
+    (placed with `sharding`), not waited for.
+    """
+    return _joining(sharding, end)(order, next_order)
+
+
 def rows_of(
     arrays: list[jax.Array],
     order: jax.Array | None,
@@ -104,47 +153,60 @@ def rows_of(
         lax.dynamic_slice_in_dim(next_order, at, count),
         lax.dynamic_slice_in_dim(order, at, count),
     )
-    return [jnp.take(array, rows, axis=0, mode="clip") for array in arrays]
+    return [take_rows(array, rows) for array in arrays]
 
 
 def rows_at(
-    reading: Reading, lying: dict[str, Any], positions: jax.Array, end: jax.Array
+    reading: Reading,
+    lying: dict[str, Any],
+    start: jax.Array,
+    end: jax.Array,
+    count: int,
+    size: int,
+    first: Any = 0,
+    local: int | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """The inputs and labels at epoch `positions` (any shape of int32 indices), traced.
+    """The inputs and labels of `count` batches of `size` from epoch position `start` (traced).
 
+    Of each batch, its `local` rows from row `first` (default: all `size`, from 0: one
+    device's share of every batch, on more), flat: each array has `count * local` rows.
     `lying` is where they lie, as `DeviceChunk.arguments` passes it, read as `reading`
     says; positions from `end` (the epoch's end) on are the next epoch's, from its position
-    0. Each array is read by one gather of all the positions at once (a fused program reads
-    its whole group so, before its steps, whose loop then indexes stacked batches as a
-    hand-written scan does). Every position is in bounds by construction, so the gathers
-    neither clip nor mask.
+    0. Each array is read by one gather of all the rows at once (a fused program reads its
+    whole group so, before its steps, whose loop then indexes stacked batches as a
+    hand-written scan does). Through the epochs' permutations (`Reading.GATHER`), the
+    examples are a slice of the joined permutations (`joined_orders`: no position
+    arithmetic), and the gathers carry no index arithmetic (`take_rows`).
     """
+    local = size if local is None else local
     inputs, labels = lying["inputs"], lying["labels"]
-    flat = positions.reshape(-1)
-    crossed = flat >= end
-    at = jnp.where(crossed, flat - end, flat)
-
-    def take(array: jax.Array, rows: jax.Array) -> jax.Array:
-        return array.at[rows].get(mode="promise_in_bounds")
-
-    def shaped(array: jax.Array) -> jax.Array:
-        return array.reshape((*positions.shape, *array.shape[1:]))
-
-    def where_crossed(upcoming: jax.Array, current: jax.Array) -> jax.Array:
-        mask = crossed.reshape((-1,) + (1,) * (current.ndim - 1))
-        return jnp.where(mask, upcoming, current)
-
     arrays = [*inputs, *labels]
+    if reading is Reading.GATHER:  # the examples the joined permutations name, in a slice
+        orders = lying["orders"]
+        if count * size > orders.shape[0]:
+            # More batches than two epochs hold: a chunk never has that many (it spans two
+            # epochs at most), but a program for that count may be compiled ahead from a
+            # shorter chunk's arguments (`with_count`); it is never run on them.
+            orders = jnp.resize(orders, (count * size,))
+        examples = lax.dynamic_slice_in_dim(orders, start, count * size)
+        if local != size:  # this device's share of each batch
+            examples = lax.dynamic_slice(
+                examples.reshape(count, size), (jnp.zeros((), jnp.int32), first), (count, local)
+            ).reshape(-1)
+        rows = [take_rows(array, examples) for array in arrays]
+        return rows[: len(inputs)], rows[len(inputs) :]
+    steps = jnp.arange(count, dtype=jnp.int32)[:, None] * size
+    positions = (start + first + steps + jnp.arange(local, dtype=jnp.int32)[None, :]).reshape(-1)
+    crossed = positions >= end
+    at = jnp.where(crossed, positions - end, positions)
     if reading is Reading.COPY:  # each epoch's permuted copy: rows of one or the other
         upcoming = [*lying["next_inputs"], *lying["next_labels"]]
-        rows = [
-            where_crossed(take(following, at), take(current, at))
-            for current, following in zip(arrays, upcoming, strict=True)
-        ]
-    elif reading is Reading.GATHER:  # the examples the epochs' permutations name
-        examples = where_crossed(take(lying["next_order"], at), take(lying["order"], at))
-        rows = [take(array, examples) for array in arrays]
+
+        def where_crossed(following: jax.Array, current: jax.Array) -> jax.Array:
+            mask = crossed.reshape((-1,) + (1,) * (current.ndim - 1))
+            return jnp.where(mask, take_rows(following, at), take_rows(current, at))
+
+        rows = [where_crossed(*pair) for pair in zip(upcoming, arrays, strict=True)]
     else:  # in order: position i is example i in every epoch
-        rows = [take(array, at) for array in arrays]
-    rows = [shaped(array) for array in rows]
+        rows = [take_rows(array, at) for array in arrays]
     return rows[: len(inputs)], rows[len(inputs) :]

@@ -45,12 +45,6 @@ def _with_position_after(
     return result._replace(last={**result.last, AFTER: position_after(start, end, rows)})
 
 
-def _group_positions(start: jax.Array, count: int, size: int, first: Any, local: int) -> Any:
-    """`[count, local]` epoch positions: each step's `local` rows from `first` in its batch."""
-    steps = jnp.arange(count, dtype=jnp.int32)[:, None] * size
-    return start + first + steps + jnp.arange(local, dtype=jnp.int32)[None, :]
-
-
 def gathering_steps(
     scan_steps: Callable[..., Any], count: int, size: int, num_devices: int, reading: Reading
 ) -> Callable[..., Any]:
@@ -76,12 +70,12 @@ def gathering_steps(
     def program(state, lying, start, end):
         steps = jnp.arange(count, dtype=jnp.int32)
         if count == 1:  # one step: its rows, as the per-step read takes them, no loop
-            batch = _step_rows(reading, lying, start + lax.axis_index(AXIS) * local, end, local)
+            batch = _step_rows(reading, lying, start, end, size, local)
             state, result = scan_steps(state, steps, lambda _: batch, unroll=True)
             # one step's metrics are its last: no stacked copy to return
             return state, _with_position_after(result._replace(stacked=None), start, end, size)
-        positions = _group_positions(start, count, size, lax.axis_index(AXIS) * local, local)
-        inputs, labels = rows_at(reading, lying, positions.reshape(-1), end)
+        first = lax.axis_index(AXIS) * local
+        inputs, labels = rows_at(reading, lying, start, end, count, size, first, local)
         state, result = scan_steps(state, steps, _slicing(inputs, labels, local))
         return state, _with_position_after(result, start, end, count * size)
 
@@ -90,17 +84,19 @@ def gathering_steps(
 
 
 def _step_rows(
-    reading: Reading, lying: dict, first: jax.Array, end: jax.Array, local: int
+    reading: Reading, lying: dict, start: jax.Array, end: jax.Array, size: int, local: int
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """One step's `local` rows from epoch position `first`, as `DeviceArrays.gather` reads.
+    """This device's `local` rows of the batch of `size` at epoch position `start`.
 
-    A slice of the arrays (in order, or the epoch's permuted copy), or the rows the
-    epochs' permutations name.
+    As `DeviceArrays.gather` reads: a slice of the arrays (in order, or the epoch's
+    permuted copy); through the epochs' permutations, the rows the joined permutations
+    name (`rows_at`, as a group's).
     """
+    first = lax.axis_index(AXIS) * local
+    if reading is Reading.GATHER:
+        return rows_at(reading, lying, start, end, 1, size, first, local)
     inputs, labels = lying["inputs"], lying["labels"]
-    order = lying.get("order") if reading is Reading.GATHER else None
-    next_order = lying.get("next_order") if reading is Reading.GATHER else None
-    rows = rows_of([*inputs, *labels], order, next_order, first, end, local)
+    rows = rows_of([*inputs, *labels], None, None, start + first, end, local)
     return rows[: len(inputs)], rows[len(inputs) :]
 
 
@@ -139,9 +135,12 @@ def gathering(
     """
 
     def program(state, lying, start, end):
-        positions = _group_positions(start, count, size, 0, size)
-        inputs, labels = rows_at(reading, lying, positions, end)
-        state, result = run(state, inputs, labels)
+        inputs, labels = rows_at(reading, lying, start, end, count, size)
+
+        def stacked(array: jax.Array) -> jax.Array:
+            return array.reshape((count, size, *array.shape[1:]))
+
+        state, result = run(state, [stacked(a) for a in inputs], [stacked(a) for a in labels])
         return state, _with_position_after(result, start, end, count * size)
 
     program.__name__ = NAME

@@ -47,3 +47,25 @@ def loop_bodies(text, rows=None):
             }
         )
     return bodies
+
+
+def entry_gathers(text):
+    """The gathers of a compiled module's entry computation (outside its loops).
+
+    One per gather op or fusion of one: the lines of the gather's own computation (the
+    fusion's, or the op's line alone), so a test can read what is computed around it.
+    """
+    entry = text.index("\nENTRY ")
+    lines = text[entry : text.index("\n}\n", entry)].splitlines()[1:]
+    found = []
+    for line in lines:
+        if not gathers(text, line):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        found.append([line] if called is None else computation(text, called.group(1)))
+    return found
+
+
+def computes_on_vectors(lines, op):
+    """Whether any of `lines` is an `op` (e.g. "select", "compare") on more than a scalar."""
+    return any(re.search(rf" = \w+\[\d[\d,]*\]\S* {op}\(", line) for line in lines)

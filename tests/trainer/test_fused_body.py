@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hlo_helpers import loop_bodies
+from hlo_helpers import computes_on_vectors, entry_gathers, loop_bodies
 from test_step_buffers import averaging_step
 
 import loopax
@@ -113,3 +113,40 @@ def test_an_extra_op_in_the_body_is_seen():
     stacked = jax.jit(plain).lower(jnp.zeros(()), jnp.zeros((K, BATCH, 3))).compile()
     (ours,), (theirs,) = loop_bodies(gathered.as_text()), loop_bodies(stacked.as_text())
     assert ours["gathers"] > theirs["gathers"] == 0
+
+
+def test_the_shuffled_groups_read_is_one_gather_per_array_with_no_index_arithmetic():
+    # A fused group's rows of shuffled data come from one gather per dataset array, whose
+    # indices are a slice of the epochs' joined permutations: no gather of the permutation
+    # itself, no select between two epochs' examples, and none of the negative-index fix-up
+    # (`compare` and `select` over the indices) that `array.at[rows].get()` adds. Before,
+    # the read made 4 gathers (both epochs' permutations, then each array) with a compare
+    # and two selects over every index in each.
+    devices = jax.devices()[:1]
+    trainer = loopax.Trainer(
+        model_fn, loopax.losses.mean_squared_error, optax.adam(0.01), devices=devices
+    )
+    inputs, labels = data()
+    dataset = loopax.ArrayDataset(
+        inputs, labels, BATCH, loop_forever=True, on_device=True, devices=devices
+    )
+    loopax.Loop(trainer, steps_per_execution=K).run_steps(dataset, K)
+    (fused,) = [e for e in trainer.executors() if e.info.graph_type == "train_steps"]
+    reads = entry_gathers(fused.run.as_text())
+    assert len(reads) == 2, reads  # the inputs' and the labels'
+    for lines in reads:
+        for op in ("select", "compare", "gather"):
+            ops = [line for line in lines if computes_on_vectors([line], op)]
+            assert len(ops) == (op == "gather"), (op, lines)
+
+
+def test_index_arithmetic_around_a_gather_is_seen():
+    # The check can fail: `array.at[rows].get()` maps negative indices first.
+    table = jnp.zeros((EXAMPLES, 3))
+
+    def read(rows):
+        return table.at[rows].get(mode="promise_in_bounds")
+
+    text = jax.jit(read).lower(jnp.zeros((BATCH,), jnp.int32)).compile().as_text()
+    (lines,) = entry_gathers(text)
+    assert computes_on_vectors(lines, "select") and computes_on_vectors(lines, "compare")

@@ -407,3 +407,30 @@ def test_a_resume_mid_epoch_permutes_the_restored_epoch(tmp_path, monkeypatch):
     ]
     assert data.get_state() == expected["state"]
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), expected["params"])
+
+
+@pytest.mark.parametrize("batch_size", [8, 24])
+def test_fused_groups_join_each_pair_of_epochs_orders_once(monkeypatch, batch_size):
+    # A group's examples are a slice of its epoch's permutation joined with the next
+    # epoch's: joined on the devices once for the groups within an epoch and once for a
+    # group crossing into the next, not per group, and the run's batches are still the
+    # per-step run's (the documented permutation of each epoch).
+    joins = []
+    join = _device_data.joined_orders
+
+    def counting(order, next_order, end, sharding):
+        joins.append((np.asarray(order).tolist(), np.asarray(next_order).tolist(), end))
+        return join(order, next_order, end, sharding)
+
+    monkeypatch.setattr(_device_data, "joined_orders", counting)
+    devices = jax.devices()[:1]
+    expected = run(False, 1, devices, steps=48, batch_size=batch_size)
+    actual = run(True, 8, devices, steps=48, batch_size=batch_size)
+    assert_same(actual, expected)
+    epochs = actual["state"]["epoch"] + 1
+    assert joins and len(joins) <= 2 * epochs
+    assert len({str(j) for j in joins}) == len(joins)  # no pair joined twice
+    end = EXAMPLES - EXAMPLES % batch_size
+    for order, next_order, at in joins:
+        assert at == end
+        assert sorted(order) == sorted(next_order) == list(range(EXAMPLES))
