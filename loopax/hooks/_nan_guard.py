@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from .._validate import positive_int
 from ..loop import Loop, NonFiniteLossError, Priority
+from ..loop._internal import SET_RATE_FIX, rate_is
 from ._checkpointing._checkpointer import CHECKPOINTERS
 from ._lr_checks import (
     require_adjustable_learning_rate,
@@ -204,12 +205,10 @@ def _non_finite_rate(loop: Loop, first: int, streak: str) -> str | None:
     if not bad:
         return None
     return (
-        f"the learning rate is {bad[0]} at step {first - 1} (global step {first}): the "
-        f"optimizer's learning rate is {bad[0]} (a value set with set_learning_rate, or "
-        "injected so). That step's update made the parameters non-finite, so the loss or "
-        f"gradient was not finite for {streak}, and nan_guard stops: skipping or rolling back "
-        "goes on with the same rate. Set a finite learning rate; a lower learning rate, "
-        "clipped gradients or hooks.nan_guard cannot help with it"
+        f"{rate_is(bad[0], first - 1)}. That step's update made the parameters "
+        f"non-finite, so the loss or gradient was not finite for {streak}, and nan_guard "
+        f"stops: skipping or rolling back goes on with the same rate. {SET_RATE_FIX}; a lower "
+        "learning rate, clipped gradients or hooks.nan_guard cannot help with it"
     )
 
 
