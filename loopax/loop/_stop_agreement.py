@@ -88,7 +88,7 @@ class StopAgreement:
     late a watcher hears of the key (a loaded machine can leave its thread unscheduled for
     many steps), its process has not run past the proposer's step then. Processes run in
     lockstep within the bound on steps in flight (every step holds collectives), so none has
-    dispatched more than `limit + 1` steps past the proposer's when the proposer goes on, and
+    dispatched more than `limit + 1` dispatches past the proposer's when it goes on, and
     each looks at its settle points, at most `limit + 1` dispatches apart; `margin` puts the
     stop past the furthest any process can have run when it first looks.
 
