@@ -11,16 +11,20 @@ checkpoint before the spike and skip the batches that caused it"):
    there with the next batches of the dataset (the ones that went bad are not replayed).
 3. After `max_rollbacks` rollbacks (or at once with `rollback=False`) the run stops with
    `NonFiniteLossError`.
+
+The guard hears of skipped steps when the loop waits for its steps in flight, so each step of
+the ladder comes at most the in-flight bound of dispatches late (see `nan_guard`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NoReturn
 
 from .._validate import positive_int
 from ..loop import Loop, NonFiniteLossError, Priority
+from ..loop._internal import SET_RATE_FIX, rate_is
 from ._checkpointing._checkpointer import CHECKPOINTERS
 from ._lr_checks import (
     require_adjustable_learning_rate,
@@ -56,6 +60,7 @@ class NanGuard:
         self.rolled_back_to: list[int] = []
         self._last_skipped = -2
         self._rolling_back = False
+        self._stopping = False  # the stop waits for the steps in flight: their skips counted
 
     # -- checkpointed state ---------------------------------------------------------------
 
@@ -82,24 +87,28 @@ class NanGuard:
             self.skipped_steps.append(step)
             self.consecutive = self.consecutive + 1 if step == self._last_skipped + 1 else 1
             self._last_skipped = step
-        if self.consecutive >= self.max_skips:
+        if self.consecutive >= self.max_skips and not self._stopping:
             self._escalate(loop)
 
     def _escalate(self, loop: Loop) -> None:
         first = self._last_skipped - self.consecutive + 1
-        streak = f"{self.consecutive} steps in a row (steps {first} to {self._last_skipped})"
+        # The limit was passed at the max_skips-th step in a row; the loop told it later.
+        limit_step = first + self.max_skips - 1
+        streak = f"{self.max_skips} steps in a row (steps {first} to {limit_step})"
         rate_problem = _non_finite_rate(loop, first, streak)
         if rate_problem is not None:  # neither a rollback nor a lower rate can help
-            raise NonFiniteLossError(rate_problem, first)
+            self._stop(loop, rate_problem, first)
         if not self.rollback:
-            raise NonFiniteLossError(
-                f"the loss or gradient was not finite for {streak}, and nan_guard stops after "
-                f"{self.max_skips} (rollback=False). Lower the learning rate, clip gradients, or "
-                "check the data",
+            self._stop(
+                loop,
+                f"the loss or gradient was not finite for {streak}, and nan_guard stops "
+                f"there (max_skips={self.max_skips}, rollback=False). Lower the learning rate, "
+                "clip gradients, or check the data",
                 first,
             )
         if self.rollbacks >= self.max_rollbacks:
-            raise NonFiniteLossError(
+            self._stop(
+                loop,
                 f"the loss or gradient was not finite for {streak} after {self.rollbacks} "
                 f"rollback(s) (max_rollbacks={self.max_rollbacks}): stopping. Lower the learning "
                 "rate, clip gradients, or check the data",
@@ -107,7 +116,8 @@ class NanGuard:
             )
         checkpointer = self._checkpointer()
         if checkpointer is None:
-            raise NonFiniteLossError(
+            self._stop(
+                loop,
                 f"the loss or gradient was not finite for {streak}, and nan_guard has no "
                 "checkpoint to roll back to: no hooks.checkpoint is attached to this loop. "
                 "Attach one (e.g. hooks.checkpoint(loop, dir, period_seconds=600)) to roll "
@@ -123,7 +133,8 @@ class NanGuard:
         finally:
             self._rolling_back = False
         if restored is None:
-            raise NonFiniteLossError(
+            self._stop(
+                loop,
                 f"the loss or gradient was not finite for {streak}, and there is no checkpoint "
                 f"in {str(checkpointer.directory)!r} to roll back to yet",
                 first,
@@ -133,6 +144,48 @@ class NanGuard:
         self.consecutive, self._last_skipped = 0, -2
         if rates:
             set_trainer_learning_rates(loop.trainer, [rate * self.lr_factor for rate in rates])
+
+    def _stop(self, loop: Loop, message: str, first: int) -> NoReturn:
+        """Stops the run with `message`, once the steps in flight have run and been counted.
+
+        The loop told of the streak when it waited for an older window of steps than the
+        newest it dispatched; those run anyway (a stop cannot recall them). Waiting for them
+        here, before the error, lets it say where the run stopped and how many steps from
+        the streak's first were skipped in all, as `train/skipped_steps` counts them.
+        """
+        streak_index = len(self.skipped_steps) - self.consecutive  # the streak's first skip
+        self._stopping = True  # their skips are only counted: this is the stop already
+        try:
+            loop.check_finite()
+        except Exception as error:  # noqa: BLE001 - the count never hides the stop it explains
+            raise NonFiniteLossError(
+                f"{message}. (Waiting for the steps in flight to count their skips failed: "
+                f"{type(error).__name__}: {error})",
+                first,
+            ) from error
+        finally:
+            self._stopping = False
+        stop = loop.trainer.global_step - 1  # the newest step dispatched, now run
+        skipped = self.skipped_steps[streak_index:]
+        where = _stopped_at(first + self.max_skips - 1, first, stop, skipped)
+        raise NonFiniteLossError(f"{message}. {where}", first)
+
+
+def _stopped_at(limit_step: int, first: int, stop: int, skipped: list[int]) -> str:
+    """Where a stop of nan_guard came, and the steps skipped from the streak's `first` on."""
+    if len(skipped) == stop - first + 1:
+        counted = f"all {len(skipped)} steps from step {first} on were skipped"
+    else:
+        counted = (
+            f"{len(skipped)} of the {stop - first + 1} steps from step {first} on were "
+            f"skipped, the last at step {skipped[-1]}"
+        )
+    return (
+        "nan_guard hears of skipped steps when the loop waits for its steps in flight, not "
+        "after each step, and the steps dispatched by then run: the run stopped after step "
+        f"{stop} (global step {stop + 1}), {stop - limit_step} step(s) past step {limit_step}, "
+        f"and {counted}"
+    )
 
 
 def _non_finite_rate(loop: Loop, first: int, streak: str) -> str | None:
@@ -152,12 +205,10 @@ def _non_finite_rate(loop: Loop, first: int, streak: str) -> str | None:
     if not bad:
         return None
     return (
-        f"the learning rate is {bad[0]} at step {first - 1} (global step {first}): the "
-        f"optimizer's learning rate is {bad[0]} (a value set with set_learning_rate, or "
-        "injected so). That step's update made the parameters non-finite, so the loss or "
-        f"gradient was not finite for {streak}, and nan_guard stops: skipping or rolling back "
-        "goes on with the same rate. Set a finite learning rate; a lower learning rate, "
-        "clipped gradients or hooks.nan_guard cannot help with it"
+        f"{rate_is(bad[0], first - 1)}. That step's update made the parameters "
+        f"non-finite, so the loss or gradient was not finite for {streak}, and nan_guard "
+        f"stops: skipping or rolling back goes on with the same rate. {SET_RATE_FIX}; a lower "
+        "learning rate, clipped gradients or hooks.nan_guard cannot help with it"
     )
 
 
@@ -178,8 +229,16 @@ def nan_guard(
     rate (the one in use before the rollback) is multiplied by `lr_factor`, and the run goes
     on from that step with the dataset's next batches. After `max_rollbacks` rollbacks it
     stops with `NonFiniteLossError`; with `rollback=False` it stops after `max_skips`
-    consecutive skips instead. Skips are seen when the loop waits for its steps in flight
-    (no per-step sync), so a rollback comes at most one in-flight window after the streak.
+    consecutive skips instead.
+
+    Skips are heard of when the loop waits for its steps in flight (no per-step host sync),
+    so a rollback or stop comes at most the loop's in-flight bound of dispatches after the
+    `max_skips`-th skipped step in a row: 32 on one device, 8 over several devices, 4 over
+    several simulated CPU devices of one process (each dispatch up to `steps_per_execution`
+    steps). The steps dispatched by then run (skipped too while the fault lasts); a stop
+    waits for them, and its error names the step where `max_skips` was passed, the step the
+    run stopped after, and how many steps from the streak's first on were skipped (as
+    `train/skipped_steps` counts them).
 
     Args:
       loop: the `loopax.Loop`.

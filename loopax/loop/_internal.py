@@ -17,6 +17,8 @@ from ._hook import FINISHED as FINISHED
 from ._hook import NEVER as NEVER
 from ._hook import AnyOf as AnyOf
 from ._lost_report import note_checkpoint_directory as note_checkpoint_directory
+from ._rate_check import SET_RATE_FIX as SET_RATE_FIX
+from ._rate_check import rate_is as rate_is
 from ._signals import SIGNALS as SIGNALS
 from ._signals import exit_interrupted as exit_interrupted
 from ._signals import signal_name as signal_name
@@ -24,6 +26,7 @@ from ._signals import signal_name as signal_name
 __all__ = [
     "FINISHED",
     "NEVER",
+    "SET_RATE_FIX",
     "SIGNALS",
     "AnyOf",
     "dataset_name",
@@ -32,6 +35,7 @@ __all__ = [
     "from_plain",
     "nest_paths",
     "note_checkpoint_directory",
+    "rate_is",
     "reads_a_copy",
     "signal_name",
     "train_key",

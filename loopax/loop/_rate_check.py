@@ -14,6 +14,30 @@ from typing import Any
 from ..optimizers import get_learning_rate
 from ..optimizers._internal import schedule_name, scheduled_learning_rates, update_count
 
+# The one fix for a rate the optimizer state holds (set or injected, not a schedule's).
+SET_RATE_FIX = "Set a finite learning rate"
+
+
+def rate_is(value: float, step: int, source: str | None = None) -> str:
+    """`the learning rate is nan at step 6 (global step 7): <where it came from>`.
+
+    The sentence that names a learning rate that is not finite, at loop step `step` (the
+    state of global step `step + 1`): the loss check, `hooks.nan_guard` and the checkpoint
+    hook's refused save all say it alike.
+
+    Args:
+      value: the rate.
+      step: the loop step whose update used it (or would).
+      source: where it came from (a schedule at an update count); by default, the rate
+        the optimizer state holds, set with `set_learning_rate` or injected so.
+    """
+    if source is None:
+        source = (
+            f"the optimizer's learning rate is {value} (a value set with set_learning_rate, "
+            "or injected so)"
+        )
+    return f"the learning rate is {value} at step {step} (global step {step + 1}): {source}"
+
 
 def rate_problem(trainer: Any, step: int, loss: float) -> str | None:
     """The message for a loss first non-finite at loop step `step` after a non-finite rate.
@@ -33,11 +57,8 @@ def rate_problem(trainer: Any, step: int, loss: float) -> str | None:
             value = None if rate is None else float(rate)
             if value is None or math.isfinite(value):
                 return None
-            source = (
-                f"the optimizer's learning rate is {value} (a value set with "
-                "set_learning_rate, or injected so)"
-            )
-            fix = "Set a finite learning rate"
+            named = rate_is(value, step - 1)
+            fix = SET_RATE_FIX
         else:
             # The update of loop step `step - 1` used the count before it.
             count_then = count - (trainer.global_step - (step - 1))
@@ -47,14 +68,15 @@ def rate_problem(trainer: Any, step: int, loss: float) -> str | None:
             value = rates[0]
             name = schedule_name(trainer.optimizer)
             schedule = f"the schedule {name}" if name else "the learning-rate schedule"
-            source = f"{schedule} gives {value} at update count {count_then}"
+            named = rate_is(
+                value, step - 1, f"{schedule} gives {value} at update count {count_then}"
+            )
             fix = "Fix the schedule so that it is finite at every count"
     except Exception:  # noqa: BLE001 - a diagnosis never hides the error it explains
         return None
     return (
-        f"the learning rate is {value} at step {step - 1} (global step {step}): {source}. "
-        f"That step's update made the parameters non-finite, so the loss is {loss} at step "
-        f"{step} (global step {step + 1}), the first non-finite step; stopped before any "
+        f"{named}. That step's update made the parameters non-finite, so the loss is {loss} "
+        f"at step {step} (global step {step + 1}), the first non-finite step; stopped before any "
         f"checkpoint could save it. {fix}; a lower learning rate, clipped gradients or "
         "hooks.nan_guard cannot help with it"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import threading
 from typing import Any
 
@@ -20,9 +21,15 @@ from ..trainer import Trainer
 # the same key everywhere. A resumed job starts a new coordination service, and a new count.
 _RUNS = itertools.count()
 _KEY = "loopax/stop/{run}"
+# Where each process's watcher writes that it has seen the stop: the proposer waits for them.
+_SEEN = "{key}/seen/{process}"
+# The proposer waits for the others' watchers in slices of this, warning after each one.
+_SEEN_WAIT_MS = 60_000
 # The watcher waits for the key until the run ends (the run's end writes it); far past any run.
 _WATCH_MS = 2**31 - 1
 _JOIN_SECONDS = 10.0
+
+_logger = logging.getLogger("loopax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +81,29 @@ class StopAgreement:
 
     A process asked to stop (`want`) proposes, at its next settle point, the step
     `loop_step + margin`; the first proposal written to the coordination service's key-value
-    store wins, and every process reads it. Processes run in lockstep within the bound on
-    steps in flight (every step holds collectives) and look at their settle points, at most
-    `limit + 1` dispatches apart; `margin` puts the stop past the furthest any process can
-    have run when it first looks. A watcher thread waits for the key, so that a settle point
-    reads an attribute rather than asking the service (~200 µs a round trip).
+    store wins, and every process reads it. A watcher thread on each process waits for the
+    key, so that a settle point reads an attribute rather than asking the service (~200 µs a
+    round trip), and writes that it has seen it (`_SEEN`). The process whose proposal won
+    waits, before its next step, until every other process's watcher has seen it: however
+    late a watcher hears of the key (a loaded machine can leave its thread unscheduled for
+    many steps), its process has not run past the proposer's step then. Processes run in
+    lockstep within the bound on steps in flight (every step holds collectives), so none has
+    dispatched more than `limit + 1` dispatches past the proposer's when it goes on, and
+    each looks at its settle points, at most `limit + 1` dispatches apart; `margin` puts the
+    stop past the furthest any process can have run when it first looks.
 
     Args:
       client: JAX's distributed client (`loopax._distributed.coordination_client()`).
       process: this process's index.
       margin: steps from a proposer's step to the stop step.
       key: the run's key in the store, the same on every process and new for every run.
+      processes: how many processes run (the proposer waits for the others to see its stop).
     """
 
-    def __init__(self, client: Any, process: int, margin: int, key: str):
+    def __init__(self, client: Any, process: int, margin: int, key: str, processes: int):
         self._client = client
         self._process = process
+        self._processes = processes
         self.margin = margin
         self._key = key
         self._wish: tuple[str, int | None] | None = None
@@ -108,16 +122,18 @@ class StopAgreement:
             return None
         import jax  # noqa: PLC0415
 
-        return cls(client, jax.process_index(), margin, _KEY.format(run=next(_RUNS)))
+        key = _KEY.format(run=next(_RUNS))
+        return cls(client, jax.process_index(), margin, key, jax.process_count())
 
     def _watch(self) -> None:
         try:
             seen = _decode(self._client.blocking_key_value_get(self._key, _WATCH_MS))
+            if self._seen is None:
+                self._seen = seen
+            if isinstance(seen, AgreedStop):  # the proposer waits for this, after `_seen`
+                self._client.key_value_set(_SEEN.format(key=self._key, process=self._process), "1")
         except Exception as error:  # the service is gone: the steps' collectives fail too
             self._watch_error = error
-            return
-        if self._seen is None:
-            self._seen = seen
 
     def want(self, reason: str, signum: int | None) -> bool:
         """Asks for a stop; the next `poll` proposes it. False if one is agreed already."""
@@ -172,9 +188,51 @@ class StopAgreement:
             if not _already_exists(error):
                 raise
             value = self._client.blocking_key_value_get(self._key, 60_000)
+        else:
+            self._wait_until_seen(proposal["step"], reason)
         self._seen = seen = _decode(value)
         self._wish = None
         return seen
+
+    def _wait_until_seen(self, step: int, reason: str) -> None:
+        """Waits until every other process's watcher has seen this process's proposal.
+
+        Until then no other process can have run more than its steps in flight past this
+        one's (every step holds collectives, and this one runs none while it waits), so each
+        reads the stop at a settle point before the step it names. Once per stop: one round
+        trip through the service when the others' watchers are awake. A process that is
+        slow to start its run's watcher (still in the previous run's end) is waited for, a
+        warning every minute; one that died ends the run through the lost-process watch.
+
+        Raises:
+          RuntimeError: the coordination service failed (not a timeout) while waiting.
+        """
+        for process in range(self._processes):
+            if process == self._process:
+                continue
+            seen_key = _SEEN.format(key=self._key, process=process)
+            waited_ms = 0
+            while True:
+                try:
+                    self._client.blocking_key_value_get(seen_key, _SEEN_WAIT_MS)
+                    break
+                except Exception as error:
+                    if "DEADLINE_EXCEEDED" not in str(error):
+                        raise RuntimeError(
+                            f"process {self._process} proposed to stop every process after "
+                            f"step {step} ({reason}), but waiting for process {process} to "
+                            f"see it failed: {error}"
+                        ) from error
+                waited_ms += _SEEN_WAIT_MS
+                _logger.warning(
+                    "process %d waits for process %d to see its stop after step %d (%s): "
+                    "%d s so far; the process is still in an earlier run's end, or hangs",
+                    self._process,
+                    process,
+                    step,
+                    reason,
+                    waited_ms // 1000,
+                )
 
     def close(self) -> None:
         """Ends the watcher: marks the run ended for the processes still in it, unless a stop is."""

@@ -13,9 +13,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _tiny import tiny_data, tiny_trainer
 
 import loopax
 from loopax import hooks
+from loopax.hooks._checkpointing._snapshot import Snapshot, check
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 BATCH_SIZE = 8
@@ -742,6 +744,49 @@ def test_a_save_refused_for_nan_state_is_caught_as_non_finite_loss_error(trainer
         checkpointer.wait()
     assert isinstance(error.value, hooks.NonFiniteSaveError)
     assert checkpointer.all_steps() == [2]  # the good checkpoint of step 2 is kept
+
+
+def test_a_save_refused_for_a_nan_learning_rate_says_the_learning_rate_its_value_and_step(
+    tmp_path,
+):
+    trainer = tiny_trainer(1)  # loopax.optimizers.adam: its rate lives in the state
+    loop = loopax.Loop(trainer)
+    checkpointer = hooks.checkpoint(loop, tmp_path, every_n_steps=1000)
+    loop.run_steps(tiny_data(), 2)
+    checkpointer.wait()
+    trainer.set_learning_rate(float("nan"))
+    loop.run_steps(tiny_data(), 1)  # its loss is finite; its update made the parameters NaN
+    checkpointer.save()
+    with pytest.raises(hooks.NonFiniteSaveError) as error:
+        checkpointer.wait()
+    message = str(error.value)
+    # Worded as the loss check and nan_guard word a NaN rate: the value, the step, the fix.
+    assert (
+        "refused to save checkpoint 3: the learning rate is nan at step 2 (global step 3): the "
+        "optimizer's learning rate is nan (a value set with set_learning_rate, or injected "
+        "so), kept in 'opt_state/hyperparams/learning_rate'. Set a finite learning rate; the "
+        "newest good checkpoint is kept"
+    ) in message
+    assert "'params/" not in message  # the parameters only follow the rate
+    assert checkpointer.all_steps() == [2]
+
+
+def test_a_refused_save_names_a_non_finite_learning_rate_before_the_arrays_it_spoiled():
+    # An optax.chain's states in order: the first one's moment (NaN after a NaN update)
+    # comes before the rate, which is still the one named: the rest only follow it.
+    nan = np.array(np.nan, np.float32)
+    snapshot = Snapshot(
+        {
+            "opt_state": {
+                "0": {"mu": {"w": np.array([1.0, np.nan], np.float32)}},
+                "1": {"count": np.int32(3), "hyperparams": {"learning_rate": nan}},
+            },
+            "params": {"w": np.array([np.nan, np.nan], np.float32)},
+        }
+    )
+    assert check(snapshot, [])[1] == "opt_state/1/hyperparams/learning_rate"
+    params_only = Snapshot({"params": {"w": np.array([np.inf], np.float32)}, "step": np.int32(3)})
+    assert check(params_only, [])[1] == "params/w"
 
 
 def test_a_deleted_directory_is_named_at_the_next_save_not_recreated(trainer, tmp_path):

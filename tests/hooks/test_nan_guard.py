@@ -10,6 +10,7 @@ from _tiny import MODELS, tiny_trainer
 
 import loopax
 from loopax import hooks
+from loopax.trainer._inflight import limit_for
 
 BATCH_SIZE, FEATURES = MODELS["regression"].batch_size, MODELS["regression"].features
 
@@ -129,6 +130,55 @@ def test_without_rollback_it_stops_after_max_skips(tmp_path):
     ) as error:
         loop.run_steps(PoisonedDataset(bad={10, 11, 12, 13, 14}), 60)
     assert error.value.step == 10
+
+
+@pytest.mark.parametrize(
+    "devices, steps_per_execution, first_bad",
+    [(1, 1, 5), (1, 1, 16), (4, 1, 5), (1, 4, 5)],  # 16: the streak straddles two windows
+)
+def test_without_rollback_the_stop_names_where_the_limit_passed_where_it_stopped_and_the_skips(
+    tmp_path, devices, steps_per_execution, first_bad
+):
+    loop = loopax.Loop(tiny_trainer(devices), steps_per_execution=steps_per_execution)
+    guard = hooks.nan_guard(loop, max_skips=2, rollback=False)
+    with pytest.raises(loopax.NonFiniteLossError) as error:
+        loop.run_steps(PoisonedDataset(bad=From(first_bad)), 400)
+    limit_step = first_bad + 1  # the 2nd bad step in a row: where max_skips=2 was passed
+    stop = loop.trainer.global_step - 1  # the newest step dispatched, and run
+    # The loop hears of skips when it waits for its steps in flight: the stop comes at most
+    # the in-flight bound of dispatches after the limit (the documented bound).
+    assert limit_step <= stop <= limit_step + limit_for(loop.trainer.devices) * steps_per_execution
+    assert error.value.step == first_bad
+    message = str(error.value)
+    assert f"not finite for 2 steps in a row (steps {first_bad} to {limit_step})" in message
+    assert "rollback=False" in message
+    assert f"stopped after step {stop} (global step {stop + 1})" in message
+    assert f"{stop - limit_step} step(s) past step {limit_step}" in message
+    skipped = stop - first_bad + 1  # every step from the first bad one on
+    assert f"all {skipped} steps from step {first_bad} on were skipped" in message
+    # The count the message gives is the trainer's own, and the guard's.
+    assert int(jax.device_get(loop.metrics["skipped_steps"])) == skipped
+    assert guard.skipped_steps == list(range(first_bad, stop + 1))
+
+
+def test_without_rollback_a_streak_that_ended_stops_the_run_counting_its_skips(tmp_path):
+    loop = make_loop(tmp_path, checkpoint=False)
+    hooks.nan_guard(loop, max_skips=2, rollback=False)
+    loop.run_steps(PoisonedDataset(bad={3, 9}), 20)  # one at a time: under max_skips, no stop
+    assert loop.trainer.global_step == 20
+    with pytest.raises(loopax.NonFiniteLossError) as error:
+        loop.run_steps(PoisonedDataset(bad={10, 11}), 200)
+    first = 30  # the second run's batch 10, after 20 global steps
+    stop = loop.trainer.global_step - 1
+    assert first + 1 <= stop < 219 and error.value.step == first
+    message = str(error.value)
+    assert f"(steps {first} to {first + 1})" in message
+    assert (
+        f"stopped after step {stop} (global step {stop + 1}), {stop - first - 1} step(s) past "
+        f"step {first + 1}, and 2 of the {stop - first + 1} steps from step {first} on were "
+        f"skipped, the last at step {first + 1}"
+    ) in message
+    assert int(jax.device_get(loop.metrics["skipped_steps"])) == 2  # this run's, as counted
 
 
 def test_attached_alone_it_skips_and_stops_naming_the_missing_checkpoint_hook(tmp_path):

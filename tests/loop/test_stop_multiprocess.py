@@ -69,11 +69,26 @@ def resume(directory):
     return [restored, loop.trainer.global_step]
 
 
-def stop_on_one_process(stop_at):
-    """Three runs (a fresh key each): one step per call, fused groups of 4, then epochs."""
+def stop_on_one_process(stop_at, late_watcher=False):
+    """Three runs (a fresh key each): one step per call, fused groups of 4, then epochs.
+
+    With `late_watcher`, process 0's stop watcher hears of the proposal a second late, as a
+    thread left unscheduled on a loaded machine does: its steps run on meanwhile.
+    """
     import jax
 
     import loopax
+
+    if late_watcher and jax.process_index() == 0:
+        from loopax.loop import _stop_agreement
+
+        decode = _stop_agreement._decode
+
+        def late_decode(value):
+            time.sleep(1.0)
+            return decode(value)
+
+        _stop_agreement._decode = late_decode
 
     results = []
     for steps_per_execution, epochs in ((1, None), (4, None), (1, 100)):
@@ -141,6 +156,17 @@ def test_sigint_to_one_process_stops_both_with_130():
 
 def test_request_stop_on_one_process_stops_both_at_one_step():
     values = multiprocess(2, 2, stop_on_one_process, 7, timeout=120)
+    assert values[0] == values[1], values
+    for run in values[0]:
+        assert run["reason"] == "enough on process 1"
+        assert 7 < run["steps"] < 1000
+
+
+def test_a_stop_heard_late_by_one_process_still_stops_both_at_one_step():
+    # The stop step lies a margin of steps ahead; a watcher that hears of it late would find
+    # its process's steps past it (both processes then hung in a collective that one of
+    # them had left). The proposer waits until every watcher has seen its stop.
+    values = multiprocess(2, 2, stop_on_one_process, 7, True, timeout=90)
     assert values[0] == values[1], values
     for run in values[0]:
         assert run["reason"] == "enough on process 1"

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ...loop import NonFiniteLossError
+from ...loop._internal import SET_RATE_FIX, rate_is
 from ._coordination import Coordination
 from ._format import BUNDLE_ITEM, STATE_ITEM, with_positions
-from ._snapshot import Snapshot, check, local_part
+from ._snapshot import Snapshot, check, is_learning_rate, local_part, non_finite_value
 
 
 def commit(
@@ -52,10 +53,7 @@ def commit(
     )
     fingerprints, bad = check(snapshot, every)
     if bad is not None:
-        raise NonFiniteLossError(
-            f"refused to save checkpoint {step}: {bad!r} holds NaN or infinite values; the "
-            "newest good checkpoint is kept"
-        )
+        raise NonFiniteLossError(_refused(snapshot, step, bad))
     bundle = with_positions(bundle, [part["datasets"] for part in every])
     bundle["fingerprints"] = fingerprints
     # Everyone is here and alive before Orbax's own barriers (their timeout is Orbax's).
@@ -73,3 +71,27 @@ def commit(
         force=True,
     )
     manager.wait_until_finished()
+
+
+def _refused(snapshot: Snapshot, step: int, bad: str) -> str:
+    """Why checkpoint `step` was refused: `bad` holds NaN or infinity.
+
+    A learning rate is named as the loss check and `hooks.nan_guard` name it (its value, the
+    step, the one fix), with the array it is kept in; any other array by its path.
+    """
+    kept = "the newest good checkpoint is kept"
+    if is_learning_rate(bad):
+        try:
+            value = non_finite_value(snapshot, bad)
+        except Exception:  # noqa: BLE001 - the path still names it
+            value = None
+        if value is not None:
+            return (
+                f"refused to save checkpoint {step}: {rate_is(value, step - 1)}, kept in "
+                f"{bad!r}. {SET_RATE_FIX}; {kept}"
+            )
+        return (
+            f"refused to save checkpoint {step}: the learning rate ({bad!r}) holds NaN or "
+            f"infinite values. {SET_RATE_FIX}; {kept}"
+        )
+    return f"refused to save checkpoint {step}: {bad!r} holds NaN or infinite values; {kept}"

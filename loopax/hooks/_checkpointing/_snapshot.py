@@ -98,11 +98,27 @@ def local_part(snapshot: Snapshot) -> dict[str, Any]:
     return {"sums": sums, "finite": finite}
 
 
-def check(snapshot: Snapshot, parts: list[dict[str, Any]]) -> tuple[dict[str, str], str | None]:
-    """`(fingerprints by path, the first path holding NaN or infinity or None)`.
+def is_learning_rate(name: str) -> bool:
+    """Whether the state path `name` is an optimizer's injected learning rate."""
+    return name.startswith("opt_state/") and name.endswith("/hyperparams/learning_rate")
 
-    Run on the writer thread: the host arrays' fingerprints are computed here; the device
-    copies' from every process's `local_part` (`parts`, in process order).
+
+def _worse(bad: str | None, name: str) -> str:
+    """Of two paths holding NaN or infinity, the one to name.
+
+    A learning rate goes first (the parameters only follow it), then the first found.
+    """
+    if bad is None or (is_learning_rate(name) and not is_learning_rate(bad)):
+        return name
+    return bad
+
+
+def check(snapshot: Snapshot, parts: list[dict[str, Any]]) -> tuple[dict[str, str], str | None]:
+    """`(fingerprints by path, the path holding NaN or infinity to name, or None)`.
+
+    The path named is a learning rate's if one holds them (the parameters only follow it),
+    else the first. Run on the writer thread: the host arrays' fingerprints are computed
+    here; the device copies' from every process's `local_part` (`parts`, in process order).
     """
     device = set(snapshot.device_paths)
     fingerprints, bad = {}, None
@@ -112,14 +128,27 @@ def check(snapshot: Snapshot, parts: list[dict[str, Any]]) -> tuple[dict[str, st
             continue
         fingerprints[name] = host_fingerprint(leaf)
         array = np.asarray(leaf)
-        if bad is None and np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
-            bad = name
+        if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
+            bad = _worse(bad, name)
     if snapshot.device_paths:
         sums, finite = combine([(part["sums"], part["finite"]) for part in parts])
         leaves = dict(tree_paths(snapshot.plain))
         for index, name in enumerate(snapshot.device_paths):
             leaf = leaves[tuple(name.split("/"))]
             fingerprints[name] = describe(leaf.dtype, leaf.shape, sums[index])
-            if bad is None and not finite[index]:
-                bad = name
+            if not finite[index]:
+                bad = _worse(bad, name)
     return dict(sorted(fingerprints.items())), bad
+
+
+def non_finite_value(snapshot: Snapshot, name: str) -> float | None:
+    """The first NaN or infinity that this process holds of the array at path `name`, or None.
+
+    A device copy is read from this process's first shard, which may hold none of them.
+    """
+    leaf = dict(tree_paths(snapshot.plain))[tuple(name.split("/"))]
+    if isinstance(leaf, jax.Array):
+        leaf = leaf.addressable_data(0)
+    array = np.asarray(leaf)
+    bad = array[~np.isfinite(array)]
+    return float(bad.flat[0]) if bad.size else None
