@@ -208,6 +208,11 @@ def draw_figures(
         if best and best_point is not None:
             on_its_series = colors[groups[best.metric]] if metric_type == best_type else None
             _mark_best(axes, best, best_point, best_type or "", on_its_series)
+        drawn_steps = {step for xy in series.values() for step, _ in xy}
+        if len(drawn_steps) == 1 and min(drawn_steps) > 0:
+            # One step (a first evaluation's): matplotlib's log autoscaling of one point with
+            # the best step's line on it can find no width (at a power of ten) and warns.
+            axes.set_xlim(min(drawn_steps) / 2, min(drawn_steps) * 2)
         axes.set_xscale("log")
         axes.xaxis.set_major_formatter(FuncFormatter(lambda step, _: f"{step:,.0f}"))
         values = [y for xy in series.values() for _, y in xy]

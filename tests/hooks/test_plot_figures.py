@@ -194,3 +194,18 @@ def test_a_figure_of_points_without_evaluations_has_no_marker(tmp_path):
     for figure in plotter.figures().values():
         (axes,) = figure.axes
         assert not [line for line in axes.lines if not line.get_label().startswith("train/")]
+
+
+def test_one_step_at_a_power_of_ten_with_the_best_line_on_it_draws_without_a_warning(tmp_path):
+    # The README's job at its first evaluation: every point at step 100, the best step's line
+    # on them; matplotlib's log autoscaling found no width there and warned.
+    loop = loopax.Loop(make_trainer())
+    hooks.evaluate(loop, [make_data("a", 2, seed=1)], every_n_steps=100)
+    plotter = hooks.plot(loop, tmp_path / "plots")
+    hooks.throughput(loop, every_n_steps=100)  # its figures' points: step 100 alone
+    loop.run_steps(make_data(loop_forever=True, seed=3), 100)
+    figures = plotter.figures()  # a warning fails the test
+    (axes,) = figures["throughput"].axes
+    assert {line.get_xdata()[0] for line in axes.lines} == {100}
+    low, high = axes.get_xlim()
+    assert low < 100 < high
