@@ -12,7 +12,7 @@ validation loss (the best parameters restored at the end), the learning rate hal
 plateau, TensorBoard, a CSV log, plots, throughput (steps/s, examples/s, FLOPs), and a report
 at the end. The Trainer keeps an exponential moving average of the parameters
 (`ema_decay`), which every evaluation and the report use. The data are put on the devices
-once (`ArrayDataset(on_device=True)`): each of the MLP's steps is one program call that reads
+once (`ArrayDataset(on_device=True)`): each step is one program call that reads
 its own batch there and each evaluation batch is read there too, so nothing is copied from
 the host, as an accelerator needs, and the numbers are those of host batches. The last line
 printed is `test accuracy: 0.9xx`.
@@ -173,14 +173,12 @@ def main(argv: list[str] | None = None) -> float:
     (train_x, train_y), (val_x, val_y) = hold_out(train_x, train_y, 0.15)
     # Every split goes to the Trainer's devices once, and each step or evaluation batch reads
     # its rows there: no copy from the host (on an accelerator each is a transfer and a wait),
-    # the same batches as host arrays give. The CNN trains on host batches: XLA:CPU compiles
-    # its convolutions inside a program that reads its own batches (a step on on-device
-    # data, or fused steps) ten times slower, and rounds them otherwise in the last bits.
-    # Fused steps (--steps-per-execution) give the same numbers, but today compile a program
-    # per power-of-two group size (groups end where hooks fire), which costs this short job
-    # more at its start than it saves.
+    # the same batches as host arrays give. Fused steps (--steps-per-execution) give the same
+    # numbers, but today compile a program per power-of-two group size (groups end where
+    # hooks fire), which costs this short job more at its start than it saves; and the CNN's
+    # gradient convolutions inside their loop are ten times slower on XLA:CPU (which
+    # rewrites them into its fast form only outside loops) and round otherwise.
     on_device = {"on_device": True, "devices": devices}
-    train_on_device = args.model == "mlp"
     train = loopax.ArrayDataset(
         train_x,
         train_y,
@@ -188,7 +186,7 @@ def main(argv: list[str] | None = None) -> float:
         name="train",
         seed=args.seed,
         loop_forever=True,
-        **(on_device if train_on_device else {}),
+        **on_device,
     )
     # Evaluation datasets must end, and count every example: drop_remainder=False.
     ordered = {"shuffle": False, "drop_remainder": False, **on_device}

@@ -46,7 +46,12 @@ def _with_position_after(
 
 
 def gathering_steps(
-    scan_steps: Callable[..., Any], count: int, size: int, num_devices: int, reading: Reading
+    scan_steps: Callable[..., Any],
+    train: Callable[..., Any],
+    count: int,
+    size: int,
+    num_devices: int,
+    reading: Reading,
 ) -> Callable[..., Any]:
     """A per-device program of `count` fused steps that takes each step's shard itself.
 
@@ -62,18 +67,22 @@ def gathering_steps(
     reads its rows as `DeviceArrays.gather` does (a slice of the epoch's permuted copy or
     of the arrays in order, or the rows the permutation names; `_step_rows`), runs the
     step without a loop, and returns no stacked metrics (`StepResult.stacked` None, as a
-    single step's): one program a step, where the gather was a program of its own. The
-    result takes `(state, *DeviceChunk.arguments())`, all replicated.
+    single step's): one program a step, where the gather was a program of its own. That
+    step is `train(state, inputs, labels)` (`StepBuilder.train`), the host batches' step,
+    called outside any loop: XLA:CPU canonicalizes a convolution's dimensions (so that
+    it runs as a fast library convolution) only in a program's entry computation, and a
+    `lax.scan`, even unrolled, leaves its body in a loop of one trip until after that
+    pass; a CNN's gradient convolutions there ran ~15x slower (still so in fused steps).
+    The result takes `(state, *DeviceChunk.arguments())`, all replicated.
     """
     local = size // num_devices
 
     def program(state, lying, start, end):
-        steps = jnp.arange(count, dtype=jnp.int32)
         if count == 1:  # one step: its rows, as the per-step read takes them, no loop
-            batch = _step_rows(reading, lying, start, end, size, local)
-            state, result = scan_steps(state, steps, lambda _: batch, unroll=True)
+            state, values = train(state, *_step_rows(reading, lying, start, end, size, local))
             # one step's metrics are its last: no stacked copy to return
-            return state, _with_position_after(result._replace(stacked=None), start, end, size)
+            return state, _with_position_after(StepResult(values, None), start, end, size)
+        steps = jnp.arange(count, dtype=jnp.int32)
         first = lax.axis_index(AXIS) * local
         inputs, labels = rows_at(reading, lying, start, end, count, size, first, local)
         state, result = scan_steps(state, steps, _slicing(inputs, labels, local))

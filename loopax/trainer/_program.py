@@ -174,7 +174,8 @@ def _gathering(
     count, size, reading = source.count, source.size, source.reading
     if strategy.slices_in_scan:  # each step slices its own batch in the scan
         scan = functools.partial(program.body(steps), spec, rng)
-        body = gathering_steps(scan, count, size, strategy.num_devices, reading)
+        train = functools.partial(steps.train, spec, rng)  # a group of one step: no loop
+        body = gathering_steps(scan, train, count, size, strategy.num_devices, reading)
         return strategy.wrap(body, program, sharded)
     # pmap: the group taken first, then the stacked steps
     run = TRAIN_STEPS.wrap(TRAIN_STEPS, strategy, steps, spec, rng, source, leading, 2)
