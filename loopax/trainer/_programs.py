@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -71,6 +72,7 @@ class Programs:
         # The same host metric objects across configs: they hold the host states. None
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
         self._host_train = config.host_train or None
+        self._gathered_key: _GatheredKey | None = None  # see `_train_gathered`
         self.steps = StepBuilder(recipe.adapted, config)
 
     @property
@@ -184,19 +186,45 @@ class Programs:
         epoch's permuted copy, or gathers its rows through the permutation without one),
         inside the program.
         """
-        executor = self._cache.executor_for(
-            TRAIN_STEPS_GATHERED,
-            spec,
-            _gathered_key(chunk),
-            chunk.shapes,
-            functools.partial(self._compile, chunk=chunk),
-        )
+        # The executor's lookup key, kept from the last call while the chunks come from
+        # the same epoch (its order, by identity) with the same spec, count and size: a
+        # step on the devices' arrays then costs no key building (see `_GatheredKey`).
+        epoch, count, size = chunk.epoch, chunk.count, chunk.size
+        kept = self._gathered_key
+        executor = None
+        if (
+            kept is not None
+            and kept.epoch() is epoch
+            and kept.steps == count
+            and kept.size == size
+            and kept.spec is spec
+            and kept.source is chunk.source
+        ):
+            executor = self._cache.get_fast(kept.fast_key)  # None: the cache was cleared
+        if executor is None:
+            extra_key = _gathered_key(chunk)
+            executor = self._cache.executor_for(
+                TRAIN_STEPS_GATHERED,
+                spec,
+                extra_key,
+                chunk.shapes,
+                functools.partial(self._compile, chunk=chunk),
+            )
+            self._gathered_key = _GatheredKey(
+                weakref.ref(epoch),
+                count,
+                size,
+                spec,
+                chunk.source,
+                self._cache.fast_key(TRAIN_STEPS_GATHERED, spec, extra_key),
+            )
         placed = self._placed
         state, values = executor.run(placed.device_state, *chunk.arguments())
         chunk.source.advance(chunk.after, values.last.pop(AFTER))  # where the next group starts
-        placed.advance(state, chunk.count)
+        placed.advance(state, count)
         if values.stacked is None:  # one step (see `gathering_steps`)
-            return StepResult(named_metrics(self.metric_names, values.last, self._host_train))
+            last = named_metrics(self.metric_names, values.last, self._host_train)
+            return _new_tuple(StepResult, (last, None))  # without a Python call
         return fused_metrics(self.metric_names, values, self._host_train)
 
     def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:
@@ -397,9 +425,31 @@ def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceC
     return TRAIN_STEPS, (as_list(dispatch.inputs), as_list(dispatch.labels)), None
 
 
+class _GatheredKey(NamedTuple):
+    """The executor cache's fast key of the last gathering program run, and what it is for.
+
+    `epoch` is a weak reference to the chunk's epoch order: the kept key does not keep a
+    finished epoch's permuted copy alive.
+    """
+
+    epoch: weakref.ref
+    steps: int
+    size: int
+    spec: Any
+    source: Any
+    fast_key: tuple
+
+
+_new_tuple = tuple.__new__  # a named tuple from a tuple of its fields, without a Python call
+
+
 def _gathered_key(chunk: DeviceChunk) -> tuple:
-    """What a gathering program depends on besides its spec: the chunk's kind and arrays."""
-    return (chunk.count, chunk.size, chunk.reading, chunk.source.key)
+    """What a gathering program depends on besides its spec: the chunk's kind and arrays.
+
+    The reading by its value: a str hashes in C, an enum member by a Python call each time
+    the key is looked up.
+    """
+    return (chunk.count, chunk.size, chunk.reading.value, chunk.source.key)
 
 
 def _costs(compiled: Any, program: Program, inputs: Any, axes: tuple, strategy: Any) -> dict:
