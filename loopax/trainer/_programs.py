@@ -187,36 +187,33 @@ class Programs:
         inside the program.
         """
         # The executor's lookup key, kept from the last call while the chunks come from
-        # the same epoch (its order, by identity) with the same spec, count and size: a
-        # step on the devices' arrays then costs no key building (see `_GatheredKey`).
-        epoch, count, size = chunk.epoch, chunk.count, chunk.size
+        # the same epochs (their orders, by identity) with the same spec, count and size:
+        # a step on the devices' arrays then costs no key building (see `_GatheredKey`).
+        epoch, upcoming, count, size = chunk.epoch, chunk.next_epoch, chunk.count, chunk.size
         kept = self._gathered_key
-        executor = None
         if (
             kept is not None
             and kept.epoch() is epoch
+            and kept.next_epoch() is upcoming
             and kept.steps == count
             and kept.size == size
             and kept.spec is spec
             and kept.source is chunk.source
         ):
-            executor = self._cache.get_fast(kept.fast_key)  # None: the cache was cleared
-        if executor is None:
+            fast_key = kept.fast_key
+        else:
             extra_key = _gathered_key(chunk)
+            fast_key = self._cache.fast_key(TRAIN_STEPS_GATHERED, spec, extra_key)
+            fields = (weakref.ref(epoch), weakref.ref(upcoming), count, size, spec)
+            self._gathered_key = _new_tuple(_GatheredKey, (*fields, chunk.source, fast_key))
+        executor = self._cache.get_fast(fast_key)
+        if executor is None:  # not compiled yet, or the cache was cleared
             executor = self._cache.executor_for(
                 TRAIN_STEPS_GATHERED,
                 spec,
-                extra_key,
+                _gathered_key(chunk),
                 chunk.shapes,
                 functools.partial(self._compile, chunk=chunk),
-            )
-            self._gathered_key = _GatheredKey(
-                weakref.ref(epoch),
-                count,
-                size,
-                spec,
-                chunk.source,
-                self._cache.fast_key(TRAIN_STEPS_GATHERED, spec, extra_key),
             )
         placed = self._placed
         state, values = executor.run(placed.device_state, *chunk.arguments())
@@ -428,11 +425,14 @@ def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceC
 class _GatheredKey(NamedTuple):
     """The executor cache's fast key of the last gathering program run, and what it is for.
 
-    `epoch` is a weak reference to the chunk's epoch order: the kept key does not keep a
-    finished epoch's permuted copy alive.
+    `_gathered_key` reads a chunk's count, size, reading and source; the reading is its
+    epochs' (`DeviceChunk.reading`), so chunks of the same epoch orders, by identity, count,
+    size and source share the key. `epoch` and `next_epoch` are weak references to the
+    orders: the kept key does not keep a finished epoch's permuted copy alive.
     """
 
     epoch: weakref.ref
+    next_epoch: weakref.ref
     steps: int
     size: int
     spec: Any

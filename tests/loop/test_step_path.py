@@ -11,6 +11,8 @@ records, keys and dataclass copies. Counted deterministically in Python calls
 import collections
 import sys
 
+import jax
+import numpy as np
 import optax
 import pytest
 
@@ -71,6 +73,29 @@ def test_a_steady_step_on_device_data_makes_few_python_calls(steps_per_execution
             f"ArrayDataset makes {per_group:.2f} Python calls a group; at most "
             f"{CALLS_PER_GROUP} expected"
         )
+
+
+def test_a_kept_program_key_follows_the_data_the_steps_read():
+    # `Trainer.run` keeps the on-device step program's key between steps of an epoch. A
+    # one-step fused group (read through the epoch's permutation) between single steps
+    # (read from its permuted copy), data of the same shapes read in order (sliced), and
+    # a trainer whose programs were dropped (`skip_non_finite_steps` recompiles) each find
+    # their own program: the steps equal single steps on the host datasets, bit for bit.
+    params = []
+    for on_device in (False, True):
+        trainer = tiny_trainer()
+        single = Loop(trainer)
+        fused = Loop(trainer, steps_per_execution=8) if on_device else single
+        devices = trainer.devices if on_device else None
+        data = tiny_data(4, shuffle=True, on_device=on_device, devices=devices)
+        single.run_steps(data, 6)  # over an epoch's end
+        fused.run_steps(data, 9)  # groups of 8 steps and of 1
+        single.run_steps(data, 6)
+        trainer.skip_non_finite_steps(True)  # drops the compiled programs
+        single.run_steps(data, 3)
+        single.run_steps(tiny_data(4, shuffle=False, on_device=on_device, devices=devices), 6)
+        params.append(jax.device_get(trainer.params))
+    jax.tree.map(np.testing.assert_array_equal, *params)
 
 
 def _calls(fn):
