@@ -198,14 +198,15 @@ class Programs:
             and kept.steps == count
             and kept.size == size
             and kept.spec is spec
-            and kept.source is chunk.source
+            and kept.source() is chunk.source
         ):
             fast_key = kept.fast_key
         else:
             extra_key = _gathered_key(chunk)
             fast_key = self._cache.fast_key(TRAIN_STEPS_GATHERED, spec, extra_key)
             fields = (weakref.ref(epoch), weakref.ref(upcoming), count, size, spec)
-            self._gathered_key = _new_tuple(_GatheredKey, (*fields, chunk.source, fast_key))
+            source = weakref.ref(chunk.source)
+            self._gathered_key = _new_tuple(_GatheredKey, (*fields, source, fast_key))
         executor = self._cache.get_fast(fast_key)
         if executor is None:  # not compiled yet, or the cache was cleared
             executor = self._cache.executor_for(
@@ -427,8 +428,9 @@ class _GatheredKey(NamedTuple):
 
     `_gathered_key` reads a chunk's count, size, reading and source; the reading is its
     epochs' (`DeviceChunk.reading`), so chunks of the same epoch orders, by identity, count,
-    size and source share the key. `epoch` and `next_epoch` are weak references to the
-    orders: the kept key does not keep a finished epoch's permuted copy alive.
+    size and source share the key. `epoch`, `next_epoch` and `source` are weak references:
+    the kept key keeps neither a finished epoch's permuted copy nor a dropped dataset's
+    arrays alive.
     """
 
     epoch: weakref.ref
@@ -436,7 +438,7 @@ class _GatheredKey(NamedTuple):
     steps: int
     size: int
     spec: Any
-    source: Any
+    source: weakref.ref
     fast_key: tuple
 
 
