@@ -363,6 +363,30 @@ class ArrayDataset:
             crossed = False
         return chunks, False
 
+    def device_step(self) -> DeviceChunk:
+        """The next batch as a one-step chunk left on the devices: the per-step Loop's read.
+
+        For the per-step `StepReader` (`on_device=True` only), as `device_steps` is for
+        fused groups: the dataset moves on as `yield_batch` would, but nothing is taken;
+        the Trainer's step program slices the batch (from the epoch's permuted copy, when
+        it makes one). Called once a step, so it is kept to attribute reads, one property
+        and one `DeviceChunk` (a new epoch's order on its first step only).
+
+        Raises:
+          StopIteration: no batch is left.
+        """
+        device = self._device
+        assert device is not None, "device_step needs on_device=True"
+        size, count = self.batch_size, self.num_examples
+        end = count - count % size if self.drop_remainder else count  # _batches_per_epoch_end
+        start = self._position
+        if start >= end:
+            start = self._start_batch()  # the next epoch, or StopIteration
+        stop = start + size if start + size < count else count
+        self._position = stop
+        epoch = device.epoch  # the epoch's order, with its permuted copy made on first use
+        return DeviceChunk(device, 1, stop - start, start, end, epoch, epoch)
+
     def reset(self) -> None:
         """Starts the next epoch (with its own shuffle) from the beginning."""
         if self._position > 0:

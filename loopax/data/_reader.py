@@ -55,19 +55,19 @@ class Stacked:
     labels: list[Any]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OnDevice:
+class OnDevice(NamedTuple):
     """`chunk.count` steps whose batches the compiled program takes from the devices' arrays.
 
     The arrays of an on-device `ArrayDataset` (`on_device=True`) on the Trainer's devices;
-    nothing is gathered or stacked on the host.
+    nothing is gathered or stacked on the host. A named tuple, as `OneStep`: the per-step
+    read builds one a step, by `tuple.__new__` without a Python call.
     """
 
     spec: Any
     chunk: DeviceChunk
 
     @property
-    def count(self) -> int:
+    def count(self) -> int:  # pyright: ignore[reportIncompatibleMethodOverride]
         """Optimizer steps this dispatch runs."""
         return self.chunk.count
 
@@ -256,17 +256,20 @@ def _read_on_device(dataset: ArrayDataset, n: int) -> tuple[list[Dispatch], bool
     return chunks, ended
 
 
-def _read_on_device_step(dataset: ArrayDataset) -> tuple[list[Dispatch], bool]:
-    """The next step of an on-device `ArrayDataset`, left on the devices (one `OnDevice`).
+def _on_device_step_reader(dataset: ArrayDataset) -> Callable[[int], tuple[list[Dispatch], bool]]:
+    """`read` of the next step of an on-device `ArrayDataset`, left on the devices.
 
-    Read as `yield_batch` reads it (from the epoch's permuted copy, if it makes one), but
-    by the Trainer's step program itself: one call a step.
+    One `OnDevice` a read, of the step `yield_batch` would read (from the epoch's permuted
+    copy, if it makes one), taken by the Trainer's step program itself: one call a step.
+    The read runs every step, so it is a call of `device_step` and a tuple.
     """
-    (chunk,), _ = dataset.device_steps(1)
-    epoch = chunk.source.epoch
-    return [
-        OnDevice(dataset.spec, dataclasses.replace(chunk, epoch=epoch, next_epoch=epoch))
-    ], False
+    next_step = dataset.device_step
+
+    def read(n: int) -> tuple[list[Dispatch], bool]:
+        del n  # always one
+        return [_new_tuple(OnDevice, (dataset.spec, next_step()))], False
+
+    return read
 
 
 def _batches_up_to(dataset: Any, read: Callable[[], Any], n: int) -> tuple[list[Batch], bool]:
@@ -357,7 +360,7 @@ class StepReader:
         # subclass yields its batches otherwise.
         own_batches = on_devices and type(dataset).yield_batch is ArrayDataset.yield_batch
         if steps_per_read == 1 and accumulate_steps == 1 and own_batches:
-            self.read = lambda n: _read_on_device_step(dataset)
+            self.read = _on_device_step_reader(dataset)
         elif steps_per_read == 1:
             self.read = one_step
         elif accumulate_steps != 1 or yield_batches is None:

@@ -199,17 +199,25 @@ class ExecutorCache:
         Looked up by `(program, spec, *extra_key)` first; on a miss, as `executor` with
         the batch's abstract `shapes()` (inputs, labels).
         """
-        try:
-            fast_key = (program.name, spec, *extra_key)
-            executor = self.get_fast(fast_key)
-        except TypeError:  # an unhashable spec
-            fast_key = (program.name, spec_key(spec), *extra_key)
-            executor = self.get_fast(fast_key)
+        fast_key = self.fast_key(program, spec, extra_key)
+        executor = self.get_fast(fast_key)
         if executor is None:
             inputs, labels = shapes()
             executor = self.executor(program, spec, inputs, labels, build, extra_key=extra_key)
             self.remember(fast_key, executor)
         return executor
+
+    def fast_key(self, program: Program, spec: Any, extra_key: tuple) -> tuple:
+        """The key `executor_for` looks `program` up by for `spec` and `extra_key`.
+
+        A caller may keep it and call `get_fast` with it while nothing in it changes.
+        """
+        fast_key = (program.name, spec, *extra_key)
+        try:
+            hash(fast_key)
+        except TypeError:  # an unhashable spec
+            return (program.name, spec_key(spec), *extra_key)
+        return fast_key
 
     def get(self, key: Hashable) -> Executor | None:
         """The executor cached for `key` (a `Pending` one resolved first), or None."""

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 # A compiled copy: eager jnp.copy dispatches in ~20 µs, this in ~4 µs.
 _copy_scalar = jax.jit(jnp.copy)
+_NO_RATE = -1  # `PlacedState._learning_rate_leaf` of an optimizer state holding no rate
 
 
 class PlacedState:
@@ -67,6 +68,8 @@ class PlacedState:
         self.rng: jax.Array | None = None
         self.global_step = 0
         self.unverified_source: str | None = None
+        # Where the optimizer state holds the learning rate: the index of its leaf, None
+        # until looked for, or _NO_RATE: it holds none (e.g. plain `optax.adam`).
         self._learning_rate_leaf: int | None = None
         self._constant_learning_rate: float | None = None
 
@@ -219,15 +222,21 @@ class PlacedState:
             return None
         if self._constant_learning_rate is not None:
             return np.float32(self._constant_learning_rate)
+        where = self._learning_rate_leaf
+        if where == _NO_RATE:  # the walk found none in this state's structure
+            return None
         leaves = jax.tree.leaves(self.device_state.opt_state)
-        if self._learning_rate_leaf is None:
+        if where is None:
             rate = get_learning_rate(self.device_state.opt_state)
+            # Found (or not) once by a walk of the optimizer state (dozens of Python calls);
+            # then by position, a few µs: a TensorBoard log reads it every 100 steps. Only
+            # `adopt` changes the state's structure, and it looks again.
             if rate is None:
+                self._learning_rate_leaf = _NO_RATE
                 return None
-            # Found once by a walk of the optimizer state; then by position, a few µs: a
-            # TensorBoard log reads it every 100 steps.
-            self._learning_rate_leaf = next(i for i, leaf in enumerate(leaves) if leaf is rate)
-        rate = leaves[self._learning_rate_leaf]
+            where = next(i for i, leaf in enumerate(leaves) if leaf is rate)
+            self._learning_rate_leaf = where
+        rate = leaves[where]
         return _copy_scalar(self._strategy.unplace(rate))
 
     def set_learning_rate(self, value: float) -> None:

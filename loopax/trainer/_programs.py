@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -71,6 +72,7 @@ class Programs:
         # The same host metric objects across configs: they hold the host states. None
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
         self._host_train = config.host_train or None
+        self._gathered_key: _GatheredKey | None = None  # see `_train_gathered`
         self.steps = StepBuilder(recipe.adapted, config)
 
     @property
@@ -184,19 +186,43 @@ class Programs:
         epoch's permuted copy, or gathers its rows through the permutation without one),
         inside the program.
         """
-        executor = self._cache.executor_for(
-            TRAIN_STEPS_GATHERED,
-            spec,
-            _gathered_key(chunk),
-            chunk.shapes,
-            functools.partial(self._compile, chunk=chunk),
-        )
+        # The executor's lookup key, kept from the last call while the chunks come from
+        # the same epochs (their orders, by identity) with the same spec, count and size:
+        # a step on the devices' arrays then costs no key building (see `_GatheredKey`).
+        epoch, upcoming, count, size = chunk.epoch, chunk.next_epoch, chunk.count, chunk.size
+        kept = self._gathered_key
+        if (
+            kept is not None
+            and kept.epoch() is epoch
+            and kept.next_epoch() is upcoming
+            and kept.steps == count
+            and kept.size == size
+            and kept.spec is spec
+            and kept.source() is chunk.source
+        ):
+            fast_key = kept.fast_key
+        else:
+            extra_key = _gathered_key(chunk)
+            fast_key = self._cache.fast_key(TRAIN_STEPS_GATHERED, spec, extra_key)
+            fields = (weakref.ref(epoch), weakref.ref(upcoming), count, size, spec)
+            source = weakref.ref(chunk.source)
+            self._gathered_key = _new_tuple(_GatheredKey, (*fields, source, fast_key))
+        executor = self._cache.get_fast(fast_key)
+        if executor is None:  # not compiled yet, or the cache was cleared
+            executor = self._cache.executor_for(
+                TRAIN_STEPS_GATHERED,
+                spec,
+                _gathered_key(chunk),
+                chunk.shapes,
+                functools.partial(self._compile, chunk=chunk),
+            )
         placed = self._placed
         state, values = executor.run(placed.device_state, *chunk.arguments())
         chunk.source.advance(chunk.after, values.last.pop(AFTER))  # where the next group starts
-        placed.advance(state, chunk.count)
+        placed.advance(state, count)
         if values.stacked is None:  # one step (see `gathering_steps`)
-            return StepResult(named_metrics(self.metric_names, values.last, self._host_train))
+            last = named_metrics(self.metric_names, values.last, self._host_train)
+            return _new_tuple(StepResult, (last, None))  # without a Python call
         return fused_metrics(self.metric_names, values, self._host_train)
 
     def run(self, program: Program, spec: Any, inputs: list, labels: list, *states: Any) -> Any:
@@ -397,9 +423,35 @@ def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceC
     return TRAIN_STEPS, (as_list(dispatch.inputs), as_list(dispatch.labels)), None
 
 
+class _GatheredKey(NamedTuple):
+    """The executor cache's fast key of the last gathering program run, and what it is for.
+
+    `_gathered_key` reads a chunk's count, size, reading and source; the reading is its
+    epochs' (`DeviceChunk.reading`), so chunks of the same epoch orders, by identity, count,
+    size and source share the key. `epoch`, `next_epoch` and `source` are weak references:
+    the kept key keeps neither a finished epoch's permuted copy nor a dropped dataset's
+    arrays alive.
+    """
+
+    epoch: weakref.ref
+    next_epoch: weakref.ref
+    steps: int
+    size: int
+    spec: Any
+    source: weakref.ref
+    fast_key: tuple
+
+
+_new_tuple = tuple.__new__  # a named tuple from a tuple of its fields, without a Python call
+
+
 def _gathered_key(chunk: DeviceChunk) -> tuple:
-    """What a gathering program depends on besides its spec: the chunk's kind and arrays."""
-    return (chunk.count, chunk.size, chunk.reading, chunk.source.key)
+    """What a gathering program depends on besides its spec: the chunk's kind and arrays.
+
+    The reading by its value: a str hashes in C, an enum member by a Python call each time
+    the key is looked up.
+    """
+    return (chunk.count, chunk.size, chunk.reading.value, chunk.source.key)
 
 
 def _costs(compiled: Any, program: Program, inputs: Any, axes: tuple, strategy: Any) -> dict:

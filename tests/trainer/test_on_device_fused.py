@@ -253,6 +253,52 @@ def test_device_steps_cover_the_batches_of_yield_batch():
             assert data.get_state() == host.get_state()
 
 
+def test_device_step_reads_the_batches_of_yield_batch():
+    # The per-step Loop's read: one step at a time, across epoch ends, a smaller last batch
+    # and an epoch's permuted copy (or its permutation), as `yield_batch` reads them.
+    devices = jax.devices()[:1]
+    cases = ({}, {"drop_remainder": False}, {"shuffle": False}, {"shuffled_copy": False})
+    for options in cases:
+        host = dataset(False, devices, **{k: v for k, v in options.items() if k != "shuffled_copy"})
+        data = dataset(True, devices, **options)
+        for _ in range(20):  # over three epochs
+            _, inputs, labels = host.yield_batch()
+            chunk = data.device_step()
+            assert (chunk.count, chunk.size) == (1, len(labels[0]))
+            assert chunk.epoch is chunk.next_epoch
+            expected = (
+                _device_data.Reading.SLICE
+                if not data.shuffle
+                else (
+                    _device_data.Reading.GATHER
+                    if options.get("shuffled_copy") is False
+                    else _device_data.Reading.COPY
+                )
+            )
+            assert chunk.reading is expected
+            # Read as the step program reads it: a slice of the copy, else through the order.
+            source = chunk.epoch.copy or (chunk.source.inputs, chunk.source.labels)
+            rows = _device_data.rows_of(
+                [*source[0], *source[1]],
+                None if chunk.epoch.copy else chunk.order,
+                None if chunk.epoch.copy else chunk.order,
+                np.int32(chunk.start),
+                np.int32(chunk.end),
+                chunk.size,
+            )
+            for want, array in zip(inputs + labels, rows, strict=True):
+                np.testing.assert_array_equal(np.asarray(array), want)
+            assert data.get_state() == host.get_state()
+
+
+def test_device_step_at_the_end_of_data_that_does_not_loop():
+    data = dataset(True, jax.devices()[:1], loop_forever=False, drop_remainder=False)
+    sizes = [data.device_step().size for _ in range(7)]
+    assert sizes == [8] * 6 + [4]  # 52 examples
+    with pytest.raises(StopIteration):
+        data.device_step()
+
+
 def test_device_steps_at_the_end_of_data_that_does_not_loop():
     data = dataset(True, jax.devices()[:1], loop_forever=False)  # 6 batches
     chunks, ended = data.device_steps(4)
