@@ -387,22 +387,24 @@ class Programs:
     def _report(self, info: ExecInfo, compiled: Any, seconds: float, costs: dict) -> Executor:
         """The executor of a compiled program, reported to the exec handlers."""
         info = dataclasses.replace(info, compile_seconds=seconds, **costs)
-        if info.steps > 1 and self._check_convolutions:
-            self._warn_slow_convolutions(compiled, info.steps)
+        accumulating = self._cache.accumulating
+        if self._check_convolutions and (info.steps > 1 or (info.steps and accumulating)):
+            self._warn_slow_convolutions(compiled, info.steps, accumulating)
         for handler in self._exec_handlers:
             handler(info)
         return Executor(info=info, run=compiled)
 
-    def _warn_slow_convolutions(self, compiled: Any, steps: int) -> None:
+    def _warn_slow_convolutions(self, compiled: Any, steps: int, accumulating: bool) -> None:
         """Warns, once per trainer, of convolutions left to XLA:CPU's generic path.
 
-        A fused program on CPU devices keeps them in its loop of steps when their
-        dimensions are not in XLA:CPU's canonical order (see `slow_convolutions`).
+        A train program on CPU devices that loops (over a fused group's steps, or over a
+        step's micro-batches) keeps them in the loop when their dimensions are not in
+        XLA:CPU's canonical order (see `slow_convolutions`).
         """
         labels = slow_convolutions(compiled.as_text())  # about a millisecond, when compiled
         if labels:
             self._check_convolutions = False
-            _warnings.warn(slow_convolutions_message(steps, labels))
+            _warnings.warn(slow_convolutions_message(steps, accumulating, labels))
 
 
 def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceChunk | None]:

@@ -51,16 +51,31 @@ def slow_convolutions(text: str) -> list[str]:
     return found
 
 
-def slow_convolutions_message(steps: int, labels: list[str]) -> str:
-    """The warning for a fused program of `steps` steps whose convolutions `labels` run slowly."""
+def slow_convolutions_message(steps: int, accumulating: bool, labels: list[str]) -> str:
+    """The warning for a train program whose convolutions `labels` run in a loop, slowly.
+
+    Args:
+      steps: the optimizer steps the program runs (more than one: a fused group).
+      accumulating: whether each step loops over micro-batches (`accumulate_steps > 1`).
+      labels: the slow convolutions' dimension labels (`slow_convolutions`).
+    """
+    loops, fixes = [], []
+    if steps > 1:
+        loops.append(
+            f"a fused training program (Loop steps_per_execution > 1; this group: {steps} steps)"
+        )
+        fixes.append("Loop(trainer, steps_per_execution=1)")
+    if accumulating:
+        loops.append("a train step that accumulates micro-batches (Trainer accumulate_steps > 1)")
+        fixes.append("accumulate_steps=1 with a larger batch")
     shown = ", ".join(sorted(set(labels)))
+    looping = " and ".join(loops)
+    verb = "run" if len(loops) > 1 else "runs"
     return (
-        f"A fused training program (Loop steps_per_execution > 1; this group: {steps} steps) "
-        "runs convolutions inside its loop of steps on XLA:CPU's slow generic path "
-        f"(dimension labels {shown}): "
-        "XLA:CPU rewrites convolutions into its fast library form only outside loops, so "
-        "each fused step runs about an order of magnitude slower than a single step. On a "
-        "CPU, train convolutional models with Loop(trainer, steps_per_execution=1) "
-        "(GPUs and TPUs are not affected); see "
-        f"{GUIDE}."
+        f"{looping[0].upper()}{looping[1:]} {verb} convolutions inside a loop on XLA:CPU's "
+        f"slow generic path (dimension labels {shown}): XLA:CPU rewrites convolutions into "
+        "its fast library form only outside loops, so each step runs about an order of "
+        "magnitude slower than a single step without the loop. On a CPU, train "
+        f"convolutional models with {' and '.join(fixes)} (GPUs and TPUs are not affected); "
+        f"see {GUIDE}."
     )

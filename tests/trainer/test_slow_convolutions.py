@@ -19,7 +19,8 @@ from loopax.trainer._slow_convolutions import slow_convolutions
 
 EXAMPLES, BATCH = 24, 4
 WARNING = (
-    r"(?s)steps_per_execution > 1; this group: 2 steps.*slow generic path.*steps_per_execution=1"
+    r"(?s)^A fused training program \(Loop steps_per_execution > 1; this group: 2 steps\) "
+    r"runs convolutions.*slow generic path.*steps_per_execution=1"
 )
 
 
@@ -35,7 +36,7 @@ def dense(ctx, spec, inputs):
     return nn.Dense(3)(inputs[0])
 
 
-def train(model, steps_per_execution, steps=4, on_device=False):
+def train(model, steps_per_execution, steps=4, on_device=False, accumulate_steps=1):
     """A Trainer after `steps` steps of `model`, fused by `steps_per_execution`."""
     rng = np.random.default_rng(0)
     inputs = rng.normal(size=(EXAMPLES, 16)).astype(np.float32)
@@ -56,6 +57,7 @@ def train(model, steps_per_execution, steps=4, on_device=False):
         optax.sgd(0.1),
         seed=2,
         devices=devices,
+        accumulate_steps=accumulate_steps,
     )
     loopax.Loop(trainer, steps_per_execution=steps_per_execution).run_to_step(dataset, steps)
     return trainer
@@ -93,6 +95,15 @@ def test_single_steps_of_the_cnn_do_not_warn(on_device):
         trainer = train(cnn, 1, on_device=on_device)
     (program,) = [e for e in trainer.executors() if e.info.steps]
     assert not slow_convolutions(program.run.as_text())  # every convolution in the entry
+
+
+def test_single_steps_accumulating_micro_batches_warn_too():
+    # Each step loops over its micro-batches: the same convolutions, in a loop's body.
+    with pytest.warns(RuntimeWarning, match=r"(?s)^A train step that accumulates.*slow generic"):
+        trainer = train(cnn, 1, steps=2, accumulate_steps=2)
+    (program,) = [e for e in trainer.executors() if e.info.steps]
+    assert program.info.steps == 1
+    assert slow_convolutions(program.run.as_text())
 
 
 def test_a_fused_dense_model_does_not_warn():
