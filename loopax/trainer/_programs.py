@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
+from .. import _warnings
 from ..data._internal import Dispatch, OnDevice, OneStep, Stacked, as_list, with_count
 from . import _background
 from ._aux import may_return_aux
@@ -29,6 +30,7 @@ from ._program import (
     Program,
     Source,
 )
+from ._slow_convolutions import slow_convolutions, slow_convolutions_message
 from ._step_config import StepConfig
 from ._steps import StepBuilder
 
@@ -69,6 +71,8 @@ class Programs:
         self._cache = cache
         self._creator = StateCreator(recipe, config.strategy, placed)
         self._exec_handlers: list[Callable[[ExecInfo], None]] = []
+        # Whether fused programs still need their convolutions checked (see `_report`).
+        self._check_convolutions = self._strategy.devices[0].platform == "cpu"
         # The same host metric objects across configs: they hold the host states. None
         # when there are none: a test of None costs a step less than `HostMetrics.__bool__`.
         self._host_train = config.host_train or None
@@ -409,9 +413,24 @@ class Programs:
     def _report(self, info: ExecInfo, compiled: Any, seconds: float, costs: dict) -> Executor:
         """The executor of a compiled program, reported to the exec handlers."""
         info = dataclasses.replace(info, compile_seconds=seconds, **costs)
+        accumulating = self._cache.accumulating
+        if self._check_convolutions and (info.steps > 1 or (info.steps and accumulating)):
+            self._warn_slow_convolutions(compiled, info.steps, accumulating)
         for handler in self._exec_handlers:
             handler(info)
         return Executor(info=info, run=compiled)
+
+    def _warn_slow_convolutions(self, compiled: Any, steps: int, accumulating: bool) -> None:
+        """Warns, once per trainer, of convolutions left to XLA:CPU's generic path.
+
+        A train program on CPU devices that loops (over a fused group's steps, or over a
+        step's micro-batches) keeps them in the loop when their dimensions are not in
+        XLA:CPU's canonical order (see `slow_convolutions`).
+        """
+        labels = slow_convolutions(compiled.as_text())  # about a millisecond, when compiled
+        if labels:
+            self._check_convolutions = False
+            _warnings.warn(slow_convolutions_message(steps, accumulating, labels))
 
 
 def _program_of(dispatch: Dispatch) -> tuple[Program, tuple[list, list], DeviceChunk | None]:
