@@ -22,6 +22,8 @@ Metrics change the programs: pass the same ones (the `loopax.metrics` objects, n
 a test file) wherever a test does not need its own.
 """
 
+import collections
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -168,3 +170,22 @@ def restart(trainer: loopax.Trainer, initial: Any, step: int = 0) -> loopax.Trai
     trainer.state = state.replace(step=np.full_like(state.step, step))
     assert trainer.global_step == step
     return trainer
+
+
+def python_calls_by_step(loop: loopax.Loop, data: Any, steps: int) -> collections.Counter:
+    """Python calls `loop.run_steps(data, steps)` makes, by the loop step they were made at.
+
+    Counted with `sys.setprofile`: deterministic, unlike the time the calls take.
+    """
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[loop.loop_step] += 1
+
+    sys.setprofile(profile)
+    try:
+        loop.run_steps(data, steps)
+    finally:
+        sys.setprofile(None)
+    return calls

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from loopax import ArrayDataset, Loop, hooks
-from tests._tiny import tiny_data, tiny_trainer
+from tests._tiny import python_calls_by_step, tiny_data, tiny_trainer
 
 # A first run (steps 0-199) compiles and warms; the counted run is steps 200-399. TensorBoard
 # writes after loop steps 299 and 399 (every 100 steps), its log of step 299 is read at the
@@ -51,18 +51,7 @@ def _loop(tmp_path, readme: bool, steps_per_execution: int) -> tuple[Loop, Array
 
 def _calls_by_step(loop: Loop, data: ArrayDataset) -> collections.Counter:
     """Python calls made during the counted run, by the loop step they were made at."""
-    calls: collections.Counter = collections.Counter()
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[loop.loop_step] += 1
-
-    sys.setprofile(profile)
-    try:
-        loop.run_steps(data, COUNTED_RUN)
-    finally:
-        sys.setprofile(None)
-    return calls
+    return python_calls_by_step(loop, data, COUNTED_RUN)
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 8])

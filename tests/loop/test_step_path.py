@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from loopax import ArrayDataset, Loop
-from tests._tiny import tiny_batch, tiny_data, tiny_trainer
+from tests._tiny import python_calls_by_step, tiny_batch, tiny_data, tiny_trainer
 
 # One epoch of 1000 batches: the counted steps 200-399 cross no epoch end (whose new
 # permutation and permuted copy are a per-epoch cost, not a step's).
@@ -41,17 +41,7 @@ def _calls_by_step(steps_per_execution: int) -> collections.Counter:
     loop = Loop(trainer, steps_per_execution=steps_per_execution)
     data: ArrayDataset = tiny_data(BATCHES, shuffle=True, on_device=True, devices=trainer.devices)
     loop.run_steps(data, FIRST_RUN)
-    calls: collections.Counter = collections.Counter()
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[loop.loop_step] += 1
-
-    sys.setprofile(profile)
-    try:
-        loop.run_steps(data, COUNTED_RUN)
-    finally:
-        sys.setprofile(None)
+    calls = python_calls_by_step(loop, data, COUNTED_RUN)
     assert loop.loop_step == FIRST_RUN + COUNTED_RUN
     return calls
 
