@@ -11,6 +11,8 @@ import pytest
 import loopax
 from loopax import hooks
 
+pytestmark = pytest.mark.cpu_devices  # copies compared across 4 devices: simulated CPU ones
+
 DEVICES = jax.devices()[:4]
 AXIS = []  # the device axis's name, as the model sees it
 
