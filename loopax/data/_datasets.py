@@ -369,8 +369,8 @@ class ArrayDataset:
         For the per-step `StepReader` (`on_device=True` only), as `device_steps` is for
         fused groups: the dataset moves on as `yield_batch` would, but nothing is taken;
         the Trainer's step program slices the batch (from the epoch's permuted copy, when
-        it makes one). Called once a step, so it is kept to attribute reads, one property
-        and one `DeviceChunk` (a new epoch's order on its first step only).
+        it makes one). Called once a step, so it is kept to attribute reads, one method,
+        one property and one `DeviceChunk` (a new epoch's order on its first step only).
 
         Raises:
           StopIteration: no batch is left.
@@ -378,7 +378,7 @@ class ArrayDataset:
         device = self._device
         assert device is not None, "device_step needs on_device=True"
         size, count = self.batch_size, self.num_examples
-        end = count - count % size if self.drop_remainder else count  # _batches_per_epoch_end
+        end = self._batches_per_epoch_end()
         start = self._position
         if start >= end:
             start = self._start_batch()  # the next epoch, or StopIteration

@@ -28,7 +28,7 @@ QUIET = range(208, 392)  # 184 steps: 23 whole groups of 8, away from the run's 
 # the epoch's order, one `DeviceChunk`), `Trainer.run` (the executor's kept key, the
 # chunk's program arguments, the compiled call, JAX unflattening its outputs: the optax
 # states' named tuples and the `TrainState`), the metrics named, the loop's tail (the
-# in-flight window, whose wait every 16 steps adds a few). Measured 25.3; 44.3 before the
+# in-flight window, whose wait every 16 steps adds a few). Measured 26.3; 44.3 before the
 # per-step read was cut down (`device_steps(1)`, a `dataclasses.replace` and two
 # dataclass inits a step) and the executor's key kept.
 CALLS_PER_STEP = 27.0
